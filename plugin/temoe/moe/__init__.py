@@ -1,0 +1,1 @@
+"""temoe's MoE block: router -> dispatch -> experts -> combine, one module a stage."""
