@@ -1,0 +1,35 @@
+# temoe: `make train` trains the DeepSeek-V3 smoke model with temoe; `make test` runs the suite.
+# Both set up .venv themselves (Python 3.12, pinned packages from requirements.lock).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+RUN ?= deepseek3-smoke-$(shell date +%Y%m%d-%H%M%S)
+CONFIG ?= configs/deepseek3-smoke.yml
+ARGS ?=
+
+# MaxText needs Python 3.12: take python3.12 from PATH, else pyenv's 3.12.
+PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3 2>/dev/null | sort -V | tail -n 1)
+
+.PHONY: train test venv clean
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	@test -n "$(PYTHON312)" || { echo "temoe: Python 3.12 not found; set PYTHON312=/path/to/python3.12" >&2; exit 1; }
+	$(PYTHON312) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# maxtext declares no dependencies of its own: the lock pins everything it imports.
+	$(PY) -m pip install -q --no-deps -r requirements.lock
+	$(PY) -m pip install -q --no-deps maxtext==0.2.5
+	$(PY) -m pip install -q --no-deps -e .
+	@touch $@
+
+train: venv
+	$(VENV)/bin/temoe data --out runs/data/smoke-train.parquet
+	$(VENV)/bin/temoe train $(CONFIG) base_output_directory=runs run_name=$(RUN) metrics_file=runs/$(RUN)/metrics.jsonl $(ARGS)
+	$(PY) -m temoe.summary runs/$(RUN)/metrics.jsonl
+
+test: venv
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

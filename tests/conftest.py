@@ -1,0 +1,38 @@
+"""Shared helpers: MaxText configs built through MaxText's own pyconfig, with temoe registered."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMOKE = str(ROOT / "configs" / "deepseek3-smoke.yml")
+
+
+def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = "/tmp/temoe-tests"):
+  """A MaxText HyperParameters for `config` plus `key=value` overrides, through temoe's schema."""
+  import temoe  # pylint: disable=import-outside-toplevel
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  return pyconfig.initialize(["test", config, f"base_output_directory={tmp}", "run_name=test", *overrides])
+
+
+def run_temoe(*args: str, cwd: str | os.PathLike = ROOT, env: dict | None = None, timeout: int = 900):
+  """Runs the `temoe` CLI of this venv in a fresh process; returns the CompletedProcess."""
+  full_env = {**os.environ, **(env or {})}
+  return subprocess.run(
+      [sys.executable, "-m", "temoe.cli", *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+  )
+
+
+@pytest.fixture(scope="session")
+def smoke_data(tmp_path_factory) -> str:
+  """The learnable token stream the smoke config trains on, written once per session."""
+  from temoe import data  # pylint: disable=import-outside-toplevel
+
+  return data.write_parquet(str(tmp_path_factory.mktemp("data") / "smoke-train.parquet"))

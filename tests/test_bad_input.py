@@ -1,0 +1,61 @@
+"""Bad input: one clear error naming the valid choices, raised while the config is built."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from conftest import SMOKE, maxtext_config, run_temoe
+from temoe import cli
+
+CASES = {
+    "unknown recipe": (["te_gmm_quantization=te_fp9"], ["te_no_quant, te_fp8_current, te_mxfp8"]),
+    "unknown backend": (["te_moe_backend=cuda"], ["valid choices: auto, te, xla"]),
+    "fp8 without GPU": (["te_gmm_quantization=te_fp8_current"], ["needs a GPU with Transformer Engine", "te_no_quant"]),
+    "mxfp8 without GPU": (["te_gmm_quantization=te_mxfp8"], ["needs a GPU with Transformer Engine", "te_no_quant"]),
+    "te backend without TE": (["te_moe_backend=te"], ["te_moe_backend=te needs a GPU", "auto or xla"]),
+    "fp8 on the xla backend": (
+        ["te_moe_backend=xla", "te_gmm_quantization=te_fp8_current"],
+        ["te_moe_backend=xla computes in the model dtype", "te_moe_backend=te"],
+    ),
+    "no recipe": (["te_gmm_quantization=''"], ["te_gmm_quantization must be specified", "te_no_quant"]),
+    "unfused weights": (["prefuse_moe_weights=false"], ["requires prefuse_moe_weights=True"]),
+    "dropping MoE": (["sparse_matmul=false"], ["requires sparse_matmul=True"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_config_error_names_the_fix(case):
+  overrides, expected = CASES[case]
+  with pytest.raises(pydantic.ValidationError) as info:
+    maxtext_config(*overrides)
+  message = cli.config_error_message(info.value)
+  assert len(info.value.errors()) == 1
+  for text in expected:
+    assert text in message, message
+
+
+def test_lifted_restrictions_reach_the_config():
+  cfg = maxtext_config("routed_bias_update_rate=0.01", "norm_topk_prob=true")
+  assert cfg.te_moe_block and cfg.routed_bias_update_rate == 0.01 and cfg.norm_topk_prob
+
+
+def test_loss_free_balancing_outside_deepseek_is_still_rejected():
+  with pytest.raises(pydantic.ValidationError, match="only supported for the DeepSeek decoder"):
+    maxtext_config("override_model_config=true", "decoder_block=mixtral", "routed_bias_update_rate=0.01")
+
+
+@pytest.mark.parametrize("override", ["te_gmm_quantization=te_fp9", "te_gmm_quantization=te_fp8_current"])
+def test_cli_prints_one_line_and_exits_2_before_compiling(tmp_path, override):
+  result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=bad", override)
+  assert result.returncode == 2
+  lines = [line for line in result.stderr.splitlines() if line.startswith("temoe: ")]
+  assert len(lines) == 1 and "valid choice" in lines[0].lower(), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  assert "completed step" not in result.stderr + result.stdout
+  assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+def test_cli_usage_error():
+  result = run_temoe("train", "key=value")
+  assert result.returncode == 2 and "usage: temoe train <config.yml>" in result.stderr

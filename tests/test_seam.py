@@ -1,0 +1,54 @@
+"""The seams temoe hooks in MaxText: installed once, version-guarded, schema widened."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pydantic
+import pytest
+
+import temoe
+from conftest import SMOKE
+from temoe import maxtext_seam
+
+
+def test_register_is_idempotent_and_hooks_the_three_seams():
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  hooked = (pyconfig.initialize, moe.RoutedMoE._te_moe_block, max_utils.maybe_bootstrap_te_moe)
+  temoe.register()
+  assert (pyconfig.initialize, moe.RoutedMoE._te_moe_block, max_utils.maybe_bootstrap_te_moe) == hooked
+  assert moe.RoutedMoE._te_moe_block is maxtext_seam._temoe_block
+  assert maxtext_seam.is_installed()
+
+
+def test_stock_maxtext_schema_rejects_what_temoe_accepts(tmp_path):
+  import os  # pylint: disable=import-outside-toplevel
+
+  from maxtext.configs import pyconfig, types  # pylint: disable=import-outside-toplevel
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  argv = ["test", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), f"base_output_directory={tmp_path}", "run_name=t"]
+  with pytest.raises(pydantic.ValidationError, match="te_gmm_quantization"):
+    pyconfig.initialize(argv + ["te_gmm_quantization=te_fp8_current"], config_class=types.MaxTextConfig)
+  cfg = pyconfig.initialize(argv + ["te_gmm_quantization=te_fp8_current", "te_moe_backend=te"])
+  assert (cfg.te_gmm_quantization, cfg.te_moe_backend, cfg.te_moe_block) == ("te_fp8_current", "te", False)
+
+
+def test_version_mismatch_is_one_clear_error(monkeypatch):
+  real = metadata.version
+  monkeypatch.setattr(metadata, "version", lambda name: "0.3.0" if name == "maxtext" else real(name))
+  with pytest.raises(maxtext_seam.TemoeSeamError, match=r"hooks MaxText 0\.2\.5 internals, but maxtext 0\.3\.0"):
+    maxtext_seam.check_maxtext()
+
+
+def test_missing_seam_is_named(monkeypatch):
+  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.delattr(max_utils, "maybe_bootstrap_te_moe")
+  with pytest.raises(maxtext_seam.TemoeSeamError, match="max_utils.maybe_bootstrap_te_moe"):
+    maxtext_seam.check_maxtext()
