@@ -7,8 +7,10 @@ RUN ?= deepseek3-smoke-$(shell date +%Y%m%d-%H%M%S)
 CONFIG ?= configs/deepseek3-smoke.yml
 ARGS ?=
 
-# MaxText needs Python 3.12: take python3.12 from PATH, else pyenv's 3.12.
-PYTHON312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3 2>/dev/null | sort -V | tail -n 1)
+# MaxText needs Python 3.12: the first candidate that runs as 3.12 (PATH, then pyenv's versions;
+# a pyenv shim for a version not selected exists but does not run).
+PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3 2>/dev/null | sort -rV); do \
+  "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$c"; break; }; done)
 
 .PHONY: train test venv clean
 venv: $(VENV)/.installed
