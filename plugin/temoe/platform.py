@@ -13,8 +13,12 @@ import glob
 import importlib.util
 import os
 
-TE_GROUPED_GEMM_MIN_CUBLAS = (13, 3)
-"""TE 2.20's bf16 grouped GEMM kernel (nvte_grouped_gemm) needs run-time cuBLAS 13.3 or newer."""
+def grouped_gemm_min_cublas(compute_capability: tuple[int, int] | None) -> tuple[int, int]:
+  """The run-time cuBLAS(Lt) TE 2.20's bf16 grouped GEMM kernel (nvte_grouped_gemm) needs.
+
+  TE's own check (check_grouped_gemm_requirements) asks 13.4 on Hopper (sm_90), 13.3 on Blackwell.
+  """
+  return (13, 4) if (compute_capability or (9, 0)) < (10, 0) else (13, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +54,11 @@ class Platform:
     if need and (self.compute_capability or (0, 0)) < need:
       arch = "Blackwell (sm_100+)" if need >= (10, 0) else "Ada/Hopper (sm_89+)"
       return f"{recipe} needs {arch}."
-    if recipe == "te_no_quant" and (self.cublas_version or (0, 0, 0))[:2] < TE_GROUPED_GEMM_MIN_CUBLAS:
+    need_cublas = grouped_gemm_min_cublas(self.compute_capability)
+    if recipe == "te_no_quant" and (self.cublas_version or (0, 0, 0))[:2] < need_cublas:
       have = ".".join(map(str, self.cublas_version)) if self.cublas_version else "an unknown version"
       return (
-          f"TE's bf16 grouped GEMM needs cuBLAS >= {'.'.join(map(str, TE_GROUPED_GEMM_MIN_CUBLAS))}, this process "
+          f"TE's bf16 grouped GEMM needs cuBLAS >= {'.'.join(map(str, need_cublas))} here, this process "
           f"loads {have}; use an image with a newer CUDA (NGC JAX images), or te_moe_backend=xla for bf16."
       )
     return None
@@ -99,7 +104,14 @@ def _cublas_library_candidates() -> list[str]:
 
 
 def cublas_version() -> tuple[int, int, int] | None:
-  """cuBLAS's own (major, minor, patch) via cublasGetProperty, or None where no cuBLAS loads."""
+  """The run-time cuBLASLt version TE calls (TE's own reader), else libcublas's via cublasGetProperty."""
+  try:
+    import transformer_engine_jax  # pylint: disable=import-outside-toplevel
+
+    raw = int(transformer_engine_jax.get_cublasLt_version())  # e.g. 130100
+    return raw // 10000, raw // 100 % 100, raw % 100
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass
   for path in _cublas_library_candidates():
     if "Lt" in os.path.basename(path):
       continue

@@ -22,10 +22,7 @@ if jax.devices()[0].platform != "gpu":
 pytest.importorskip("transformer_engine.jax")
 
 # pylint: disable=wrong-import-position
-from transformer_engine.jax.cpp_extensions.gemm import is_v2_grouped_gemm_supported
-from transformer_engine.jax.quantize import ScalingMode, get_device_compute_capability, is_scaling_mode_supported
-from transformer_engine_jax import get_cublasLt_version
-
+from temoe import platform
 from temoe.moe import dispatch, experts, te_experts
 
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 8, 256, 128, 512, 2  # 1024 routed rows
@@ -33,9 +30,6 @@ NO_BIAS = (None, None, None)
 # (forward, gradients) bound on the relative error against float32. FP8 current scaling: E4M3
 # forward (3 mantissa bits) through two GEMMs, E5M2 gradients (2 bits) through two more.
 TOLERANCE = {"te_no_quant": (1e-2, 1e-2), "te_fp8_current": (0.1, 0.15), "te_mxfp8": (0.1, 0.15)}
-SCALING = {"te_fp8_current": ScalingMode.CURRENT_TENSOR_SCALING, "te_mxfp8": ScalingMode.MXFP8_1D_SCALING}
-TE_GROUPED_GEMM_MIN_CUBLAS = {"blackwell": 130300, "hopper": 130400}
-"""TE 2.20 check_grouped_gemm_requirements: nvte_grouped_gemm needs cuBLAS 13.3+, and 13.4+ on sm_90."""
 
 
 class StandInLayer:
@@ -49,24 +43,9 @@ class StandInLayer:
     return jax.nn.silu(w0) * w1
 
 
-def version(v: int) -> str:
-  return f"{v // 10000}.{v // 100 % 100}.{v % 100}"
-
-
 def why_skip(recipe: str) -> str | None:
-  """None if TE can run `recipe` in this process, else why not (TE's own checks and numbers)."""
-  if recipe in SCALING:
-    ok, reason = is_scaling_mode_supported(SCALING[recipe])
-    return None if ok else f"{recipe}: {reason}"
-  uses_cublas_grouped_kernel, _ = is_v2_grouped_gemm_supported(ScalingMode.NO_SCALING, jnp.bfloat16, False)
-  sm, cublas = get_device_compute_capability(0), get_cublasLt_version()
-  need = TE_GROUPED_GEMM_MIN_CUBLAS["blackwell" if sm >= 100 else "hopper"]
-  if uses_cublas_grouped_kernel and cublas < need:
-    return (
-        f"te_no_quant runs TE's cuBLAS grouped GEMM (nvte_grouped_gemm), which needs run-time cuBLAS >= "
-        f"{version(need)} on sm_{sm}; this process loads cuBLAS(Lt) {version(cublas)}."
-    )
-  return None
+  """None if TE can run `recipe` in this process, else why not (temoe's platform check, as the block uses)."""
+  return platform.detect().why_not(recipe)
 
 
 def routing(kind: str, key) -> jax.Array:
