@@ -141,10 +141,10 @@ def main() -> None:
   for path in args.paths.split(","):
     result["paths"][path] = measure(path, args.steps, workdir, args.timeout)
     print(path, json.dumps(result["paths"][path]), flush=True)
-  result["ratios"] = ratios(result["paths"])
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
+    result["ratios"] = ratios(result["paths"])
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:  # after every path
+      json.dump(result, f, indent=1)
   try:
     plot(result, os.path.join(args.out, "proxy_1gpu.png"))
   except ImportError as exc:
