@@ -58,13 +58,13 @@ def timed(fn, *args, iters: int) -> float:
   return statistics.median(times)
 
 
-def moe_fwdbwd(backend: str, recipe: str, ids, weights):
+def moe_fwdbwd(backend: str, recipe: str, ids, weights, align_override: int | None = None):
   layer = ExpertsLayer(jnp.bfloat16, type("Cfg", (), {"te_gmm_quantization": recipe})())
   align = 1
   if backend == "te":
     from temoe.moe import te_experts  # pylint: disable=import-outside-toplevel
 
-    align = te_experts.ROW_ALIGNMENT[recipe]
+    align = align_override or te_experts.ROW_ALIGNMENT[recipe]
 
   def loss(x, wi, wo, cot):
     p = dispatch.plan(ids, EXPERTS, align)
@@ -120,10 +120,15 @@ def main() -> None:
       "empty_experts": int((loads == 0).sum()),
       "useful_tflop_per_iter": useful / 1e12,
   }
-  paths = {"temoe_fp8": ("te", "te_fp8_current"), "temoe_bf16": ("te", "te_no_quant"), "temoe_xla": ("xla", "te_no_quant")}
-  for name, (backend, recipe) in paths.items():
+  paths = {
+      "temoe_fp8": ("te", "te_fp8_current", None),
+      "temoe_fp8_align128": ("te", "te_fp8_current", 128),  # TE moe()'s alignment, for comparison
+      "temoe_bf16": ("te", "te_no_quant", None),
+      "temoe_xla": ("xla", "te_no_quant", None),
+  }
+  for name, (backend, recipe, align) in paths.items():
     try:
-      seconds = timed(moe_fwdbwd(backend, recipe, ids, weights), x, wi, wo, cot, iters=args.iters)
+      seconds = timed(moe_fwdbwd(backend, recipe, ids, weights, align), x, wi, wo, cot, iters=args.iters)
       result[f"{name}_fwdbwd_tflops"] = useful / seconds / 1e12
       result[f"{name}_fwdbwd_ms"] = seconds * 1e3
     except Exception as exc:  # pylint: disable=broad-exception-caught

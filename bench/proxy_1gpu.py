@@ -80,7 +80,8 @@ def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
   peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
   metrics = pathlib.Path(workdir, f"{path}.jsonl")
   if proc.returncode != 0 or not metrics.exists():
-    tail = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()][-6:]
+    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip() and "[NO-OP]" not in l]
+    tail = [l for l in lines if "rror" in l][-3:] or lines[-6:]
     return {"error": " | ".join(tail)[-1500:]}
   rows = [json.loads(l) for l in metrics.read_text().splitlines()]
   steady = rows[3:] or rows[-1:]
