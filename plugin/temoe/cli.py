@@ -1,12 +1,17 @@
-"""`temoe` command line: `temoe train <config.yml> key=value ...` and `temoe data`.
-
-`train` takes exactly MaxText's arguments and runs MaxText's own trainer after `register()`.
+"""`temoe` command line. `temoe train <config.yml> key=value ...` takes exactly MaxText's arguments
+and runs MaxText's own trainer after `register()`; every other subcommand lives in its own module
+(`temoe.<module>.main(argv) -> exit code`), imported only when called.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib
 import sys
+
+SUBCOMMANDS = {
+    "data": ("temoe.data", "write the learnable token stream the CPU configs train on"),
+}
+"""name -> (module with main(argv) -> int, one-line help)."""
 
 
 def config_error_message(exc: BaseException) -> str | None:
@@ -31,19 +36,12 @@ def train(maxtext_args: list[str]) -> int:
 
   try:
     temoe.register()
-  except Exception as exc:  # pylint: disable=broad-exception-caught
-    message = config_error_message(exc)
-    if message is None:
-      raise
-    print(f"temoe: {message}", file=sys.stderr)
-    return 2
-  from absl import app  # pylint: disable=import-outside-toplevel
-  from maxtext.trainers.pre_train import train as maxtext_train  # pylint: disable=import-outside-toplevel
+    from absl import app  # pylint: disable=import-outside-toplevel
+    from maxtext.trainers.pre_train import train as maxtext_train  # pylint: disable=import-outside-toplevel
 
-  try:
     app.run(maxtext_train.main, argv=["temoe train", *maxtext_args])
   except SystemExit as exc:
-    return int(exc.code or 0)
+    return int(exc.code or 0) if not isinstance(exc.code, str) else 1
   except Exception as exc:  # pylint: disable=broad-exception-caught
     message = config_error_message(exc)
     if message is None:
@@ -53,29 +51,24 @@ def train(maxtext_args: list[str]) -> int:
   return 0
 
 
-def data(args: argparse.Namespace) -> int:
-  from temoe import data as token_data  # pylint: disable=import-outside-toplevel
-
-  path = token_data.write_parquet(args.out, rows=args.rows, length=args.length, vocab=args.vocab, seed=args.seed)
-  print(path)
-  return 0
+def usage() -> str:
+  lines = ["usage: temoe <command> [args]", "", "  train     run MaxText's trainer with temoe: temoe train <config.yml> key=value ..."]
+  lines += [f"  {name:<9} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
+  return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
-  if argv and argv[0] == "train":  # everything after `train` belongs to MaxText, untouched
-    return train(argv[1:])
-  parser = argparse.ArgumentParser(prog="temoe", description="Transformer Engine MoE for MaxText.")
-  sub = parser.add_subparsers(dest="command", required=True)
-  sub.add_parser("train", help="run MaxText's trainer with temoe: temoe train <config.yml> key=value ...")
-  p_data = sub.add_parser("data", help="write the learnable token stream the CPU configs train on")
-  p_data.add_argument("--out", default="runs/data/smoke-train.parquet")
-  p_data.add_argument("--rows", type=int, default=4096)
-  p_data.add_argument("--length", type=int, default=65)
-  p_data.add_argument("--vocab", type=int, default=256)
-  p_data.add_argument("--seed", type=int, default=0)
-  args = parser.parse_args(argv)
-  return data(args)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(usage())
+    return 0 if argv else 2
+  command, rest = argv[0], argv[1:]
+  if command == "train":  # everything after `train` belongs to MaxText, untouched
+    return train(rest)
+  if command not in SUBCOMMANDS:
+    print(f"temoe: unknown command {command!r}; valid commands: train, {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    return 2
+  return int(importlib.import_module(SUBCOMMANDS[command][0]).main(rest) or 0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ synthetic data is all zeros and teaches nothing). MaxText's Grain pipeline reads
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import numpy as np
@@ -49,3 +50,16 @@ def write_parquet(path: str, rows: int = 4096, length: int = 65, vocab: int = 25
   pq.write_table(table, tmp)
   os.replace(tmp, path)
   return path
+
+
+def main(argv: list[str]) -> int:
+  """`temoe data [--out PATH] ...`: writes the stream (once) and prints its path."""
+  parser = argparse.ArgumentParser(prog="temoe data", description=__doc__.splitlines()[0])
+  parser.add_argument("--out", default="runs/data/smoke-train.parquet")
+  parser.add_argument("--rows", type=int, default=4096)
+  parser.add_argument("--length", type=int, default=65)
+  parser.add_argument("--vocab", type=int, default=256)
+  parser.add_argument("--seed", type=int, default=0)
+  args = parser.parse_args(argv)
+  print(write_parquet(args.out, rows=args.rows, length=args.length, vocab=args.vocab, seed=args.seed))
+  return 0
