@@ -10,6 +10,9 @@ import sys
 
 SUBCOMMANDS = {
     "data": ("temoe.data", "write the learnable token stream the CPU configs train on"),
+    "env": ("temoe.env", "print the environment profile (XLA flags, NCCL, CUDA, host offload) per GPU arch"),
+    "doctor": ("temoe.doctor", "check GPU, Transformer Engine, cuBLAS, NCCL, MaxText and its seams"),
+    "launch": ("temoe.launch", "render or submit a job: docker run, Slurm (pyxis/enroot), Kubernetes JobSet"),
 }
 """name -> (module with main(argv) -> int, one-line help)."""
 
