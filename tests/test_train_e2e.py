@@ -14,7 +14,7 @@ from temoe import data
 STEPS = 24
 
 
-def train(tmp_path: pathlib.Path, smoke_data: str, name: str, *overrides: str) -> list[dict]:
+def train(tmp_path: pathlib.Path, smoke_data: str, name: str, *overrides: str, env: dict | None = None):
   metrics = tmp_path / f"{name}.jsonl"
   result = run_temoe(
       "train",
@@ -25,6 +25,7 @@ def train(tmp_path: pathlib.Path, smoke_data: str, name: str, *overrides: str) -
       f"steps={STEPS}",
       f"metrics_file={metrics}",
       *overrides,
+      env=env,
   )
   assert result.returncode == 0, result.stderr[-4000:]
   rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -56,3 +57,17 @@ def test_temoe_loss_curve_matches_native_moe(runs):
   for a, b in zip(ours, native):
     assert a["learning/loss"] == pytest.approx(b["learning/loss"], rel=1e-4, abs=1e-4), a["step"]
     assert a["learning/moe_lb_loss"] == pytest.approx(b["learning/moe_lb_loss"], rel=1e-4, abs=1e-7)
+
+
+def test_expert_parallel_training_on_8_host_devices_matches(runs, tmp_path, smoke_data):
+  """8 CPU devices, experts over an expert axis of 4 (x FSDP 2), same global batch of 8 sequences:
+  the loss curve of the 1-device run, through the expert-parallel exchange."""
+  _, (ours, _), _ = runs
+  rows, log = train(
+      tmp_path, smoke_data, "ep", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "per_device_batch_size=1",
+      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+  )
+  assert "8 device(s)" in log
+  for a, b in zip(rows, ours):
+    assert a["learning/loss"] == pytest.approx(b["learning/loss"], rel=1e-4, abs=1e-4), a["step"]
+  assert all(r["learning/te_moe_capacity_overflow"] == 0 for r in rows)

@@ -1,59 +1,32 @@
 """temoe's MoE block: router -> dispatch -> experts -> combine, on MaxText's own parameters.
 
 Called by the seam in place of MaxText's TE MoE block whenever `te_moe_block=true`: no NCCL EP
-bootstrap, any number of devices per process, one device included. The block sows what MaxText's
-train step reads with te_moe_block (te_moe_total_recv_tokens / _recv_capacity_per_rank /
-_capacity_overflow) and, for loss-free balancing, `moe_bias_updates`.
+bootstrap, any number of devices per process, one device included. Routing runs on the global
+arrays (MaxText's semantics, its aux loss and bias update over the whole batch); on several
+devices the rest runs per device under `shard_map`, on the device's own tokens, with experts
+sharded over MaxText's expert mesh axis and rows exchanged by `expert_parallel`. The block sows
+what MaxText's train step reads with te_moe_block (te_moe_total_recv_tokens /
+_recv_capacity_per_rank / _capacity_overflow) and, for loss-free balancing, `moe_bias_updates`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from temoe import options, platform
-from temoe.moe import dispatch, experts, router
+from temoe.moe import dispatch, expert_parallel, experts, router
 
 
 def backend_for(cfg) -> str:
   """The backend this process runs for `cfg` (`te` or `xla`), or a TemoeConfigError."""
   return options.resolve_backend(cfg.te_moe_backend, str(cfg.te_gmm_quantization), platform.detect())
-
-
-def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sharding=None):
-  """Computes MaxText RoutedMoE `layer` on `inputs` (batch, seq, emb) with temoe.
-
-  Returns MaxText's (output, load-balance loss or None, None): the third slot, where MaxText's
-  TE block returns receive counts for the decoder layer to sow, is sown here instead, so every
-  decoder block (DeepSeek, Mixtral, ...) gets the same metrics.
-  """
-  cfg = layer.config
-  backend = backend_for(cfg)
-  batch, seq, emb = inputs.shape
-  top_k = layer.num_experts_per_tok
-  biases = (w0_bias, w1_bias, wo_bias)
-
-  with jax.named_scope("temoe_router"):
-    routing = router.route(layer, inputs)
-  with jax.named_scope("temoe_dispatch"):
-    align = 1 if backend == "xla" else expert_backend(backend).row_alignment(cfg)
-    p = dispatch.plan(routing.experts, layer.num_experts, align)
-    x = dispatch.dispatch(inputs.reshape(batch * seq, emb), p, top_k)
-    rows_expert = dispatch.row_experts(p) if any(b is not None for b in biases) else None
-  with jax.named_scope("temoe_experts"):
-    if backend == "xla":
-      y = experts.mlp_xla(layer, x, p.padded_group_sizes, wi, wo, biases, rows_expert)
-    else:
-      y = expert_backend(backend).mlp(layer, x, p, wi, wo, biases, rows_expert)
-  with jax.named_scope("temoe_combine"):
-    out = dispatch.combine(y, p, routing.weights, cfg.float32_weight_sum)
-  out = out.reshape(batch, seq, emb).astype(layer.dtype)
-  if out_sharding is not None:
-    out = jax.lax.with_sharding_constraint(out, out_sharding)
-
-  sow_step_outputs(layer, p, routing)
-  return out, routing.lb_loss, None
 
 
 def expert_backend(backend: str):
@@ -65,12 +38,119 @@ def expert_backend(backend: str):
   raise options.TemoeConfigError(f"te_moe_backend={backend!r}; valid choices: {', '.join(options.BACKENDS)}.")
 
 
-def sow_step_outputs(layer, p: dispatch.DispatchPlan, routing: router.Routing) -> None:
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How this layer's work is laid out: backend, group alignment, expert-parallel axis and size."""
+
+  backend: str
+  align: int
+  ep_axis: str | tuple[str, ...] | None
+  ep_size: int
+  buffer_factor: float  # MaxText's ragged_buffer_factor: <= 0 sizes EP receive buffers for the worst case
+
+
+def expert_mlp(layer, layout: Layout, x, p: dispatch.DispatchPlan, wi, wo, biases):
+  rows_expert = dispatch.row_experts(p) if any(b is not None for b in biases) else None
+  if layout.backend == "xla":
+    return experts.mlp_xla(layer, x, p.padded_group_sizes, wi, wo, biases, rows_expert)
+  return expert_backend(layout.backend).mlp(layer, x, p, wi, wo, biases, rows_expert)
+
+
+def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
+  """Dispatch -> experts -> combine on one device's tokens. Returns (output, received, capacity, overflow)."""
+  shape = x.shape
+  top_k = expert_ids.shape[-1]
+  x, expert_ids, weights = x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k)
+  if layout.ep_size == 1:
+    with jax.named_scope("temoe_dispatch"):
+      p = dispatch.plan(expert_ids, layer.num_experts, layout.align)
+      buf = dispatch.dispatch(x, p, top_k)
+    with jax.named_scope("temoe_experts"):
+      y = expert_mlp(layer, layout, buf, p, wi, wo, biases)
+    received, capacity, overflow = jnp.sum(p.padded_group_sizes), p.buffer_rows, jnp.bool_(False)
+  else:
+    with jax.named_scope("temoe_dispatch"):
+      p = dispatch.plan(expert_ids, layer.num_experts)
+      rows = dispatch.dispatch(x, p, top_k)
+      capacity = p.routed_rows * layout.ep_size
+      if layout.buffer_factor > 0:
+        capacity = min(capacity, math.ceil(p.routed_rows * layout.buffer_factor))
+      padded = expert_parallel.uses_padded_exchange()
+      if padded:  # one slot of routed_rows per device pair: never full
+        capacity = p.routed_rows * layout.ep_size
+      ex = expert_parallel.plan_exchange(p.group_sizes, layout.ep_axis, layout.ep_size, capacity)
+      local_experts = wi.shape[0]
+      if padded:
+        received_rows = expert_parallel.send_padded(rows, ex, layout.ep_size, layout.ep_axis)
+        local_ids = expert_parallel.local_expert_of_padded_rows(ex, p.routed_rows)
+      else:
+        received_rows = expert_parallel.send(rows, ex, capacity, layout.ep_axis)
+        local_ids = expert_parallel.local_expert_of_rows(ex, capacity)
+      local_plan = dispatch.plan(local_ids[:, None], local_experts + 1, layout.align)  # + sentinel group
+      buf = dispatch.dispatch(received_rows, local_plan, 1)
+    with jax.named_scope("temoe_experts"):
+      y = expert_mlp(layer, layout, buf, dispatch.with_groups(local_plan, local_experts), wi, wo, biases)
+    with jax.named_scope("temoe_combine"):
+      y = dispatch.undispatch(y, local_plan)
+      if padded:
+        y = expert_parallel.receive_back_padded(y, ex, layout.ep_size, layout.ep_axis)
+      else:
+        y = expert_parallel.receive_back(y, ex, p.routed_rows, layout.ep_axis)
+    received, overflow = ex.received, ex.overflow
+  with jax.named_scope("temoe_combine"):
+    out = dispatch.combine(y, p, weights, layer.config.float32_weight_sum).reshape(shape).astype(layer.dtype)
+  return out, jnp.reshape(received, (1,)).astype(jnp.int32), jnp.full((1,), capacity, jnp.int32), jnp.reshape(overflow, (1,))
+
+
+def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sharding=None):
+  """Computes MaxText RoutedMoE `layer` on `inputs` (batch, seq, emb) with temoe.
+
+  Returns MaxText's (output, load-balance loss or None, None): the third slot, where MaxText's
+  TE block returns receive counts for the decoder layer to sow, is sown here instead, so every
+  decoder block (DeepSeek, Mixtral, ...) gets the same metrics.
+  """
+  cfg = layer.config
+  backend = backend_for(cfg)
+  mesh = layer.mesh
+  ep_size = layer.get_expert_parallelism_size() if mesh is not None else 1
+  layout = Layout(
+      backend=backend,
+      align=1 if backend == "xla" else expert_backend(backend).row_alignment(cfg),
+      ep_axis=layer._expert_parallelism_name,  # pylint: disable=protected-access
+      ep_size=ep_size,
+      buffer_factor=cfg.ragged_buffer_factor,
+  )
+  biases = (w0_bias, w1_bias, wo_bias)
+  with jax.named_scope("temoe_router"):
+    routing = router.route(layer, inputs)
+  compute = functools.partial(moe_rows, layer, layout)
+  args = (inputs, routing.experts, routing.weights, wi, wo, *biases)
+  if mesh is None or mesh.size == 1:
+    out, received, capacity, overflow = compute(*args)
+  else:
+    tokens = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))  # pylint: disable=protected-access
+    experts_axis = layout.ep_axis if ep_size > 1 else None
+    per_device = P(tuple(mesh.axis_names))
+    in_specs = (tokens, tokens, tokens, P(experts_axis), P(experts_axis)) + tuple(
+        None if b is None else P(experts_axis) for b in biases
+    )
+    out, received, capacity, overflow = jax.shard_map(
+        compute,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(tokens, per_device, per_device, per_device),
+        check_vma=False,
+    )(*args)
+  if out_sharding is not None:
+    out = jax.lax.with_sharding_constraint(out, out_sharding)
+  sow_step_outputs(layer, jnp.max(received), jnp.min(capacity), jnp.any(overflow), routing)
+  return out, routing.lb_loss, None
+
+
+def sow_step_outputs(layer, received, capacity, overflow, routing: router.Routing) -> None:
   """Sows what MaxText's train step reads for te_moe_block, and the routed-bias update."""
-  received = jnp.sum(p.padded_group_sizes).astype(jnp.int32)
-  capacity = jnp.asarray(p.buffer_rows, jnp.int32)
-  layer.sow(nnx.Intermediate, "te_moe_total_recv_tokens", received)
-  layer.sow(nnx.Intermediate, "te_moe_recv_capacity_per_rank", capacity)
-  layer.sow(nnx.Intermediate, "te_moe_capacity_overflow", received > capacity)
+  layer.sow(nnx.Intermediate, "te_moe_total_recv_tokens", received.astype(jnp.int32))
+  layer.sow(nnx.Intermediate, "te_moe_recv_capacity_per_rank", capacity.astype(jnp.int32))
+  layer.sow(nnx.Intermediate, "te_moe_capacity_overflow", overflow | (received > capacity))
   if routing.bias_update is not None:
     layer.sow(nnx.Intermediate, "moe_bias_updates", routing.bias_update)

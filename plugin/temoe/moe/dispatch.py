@@ -80,12 +80,22 @@ def dispatch(x: jax.Array, p: DispatchPlan, top_k: int) -> jax.Array:
   return jnp.zeros((p.buffer_rows, x.shape[-1]), x.dtype).at[p.slots].set(rows, unique_indices=True)
 
 
+def undispatch(y: jax.Array, p: DispatchPlan) -> jax.Array:
+  """Buffer `y` back to one row per routed (token, choice), in the flat order `plan` was given."""
+  rows = y if p.buffer_rows == p.routed_rows else y[p.slots]
+  inverse = jnp.zeros_like(p.order).at[p.order].set(jnp.arange(p.routed_rows, dtype=jnp.int32), unique_indices=True)
+  return rows[inverse]
+
+
+def with_groups(p: DispatchPlan, num_groups: int) -> DispatchPlan:
+  """The plan seen by the expert MLP when groups past `num_groups` are spare rows (EP sentinel)."""
+  return dataclasses.replace(p, group_sizes=p.group_sizes[:num_groups], padded_group_sizes=p.padded_group_sizes[:num_groups])
+
+
 def combine(y: jax.Array, p: DispatchPlan, weights: jax.Array, float32_sum: bool = True) -> jax.Array:
   """Returns (tokens, emb): each token's expert outputs from buffer `y`, summed with its `weights`."""
   tokens, top_k = weights.shape
-  rows = y if p.buffer_rows == p.routed_rows else y[p.slots]
-  inverse = jnp.zeros_like(p.order).at[p.order].set(jnp.arange(p.routed_rows, dtype=jnp.int32), unique_indices=True)
-  per_choice = rows[inverse].reshape(tokens, top_k, -1)
+  per_choice = undispatch(y, p).reshape(tokens, top_k, -1)
   if float32_sum:
     per_choice, weights = per_choice.astype(jnp.float32), weights.astype(jnp.float32)
   return jnp.einsum("tkd,tk->td", per_choice, weights)

@@ -17,7 +17,7 @@ from maxtext.layers import moe as maxtext_moe
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
-  """Per token: `experts` (tokens, top_k) int32 ids and their combine `weights`; and per layer:
+  """Per token: `experts` (batch, seq, top_k) int32 ids and their combine `weights`; and per layer:
   the load-balance loss (None when its weight is 0) and the routed-bias update (None when off)."""
 
   experts: jax.Array
@@ -43,10 +43,9 @@ def route(layer, inputs: jax.Array) -> Routing:
   if layer.should_update_load_balance():
     bias_update = maxtext_moe.calculate_load_balance_updates(experts, cfg.num_experts, cfg.routed_bias_update_rate)
 
-  top_k = experts.shape[-1]
   return Routing(
-      experts=experts.reshape(-1, top_k).astype(jnp.int32),
-      weights=weights.reshape(-1, top_k),
+      experts=experts.astype(jnp.int32),
+      weights=weights,
       lb_loss=lb_loss,
       bias_update=bias_update,
   )
