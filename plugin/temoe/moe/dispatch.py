@@ -3,6 +3,10 @@
 Every (token, choice) pair gets a row in an expert-sorted buffer whose size is fixed at trace time
 (tokens * top_k, plus `align - 1` spare rows per expert when groups are padded), so the block is
 jit- and CUDA-graph-friendly and no routing skew can drop a token. Group sizes stay on device.
+
+Both directions are gathers, and so are their gradients (custom VJPs): autodiff of a gather is a
+scatter-add, which on GPUs costs several times a gather of the same rows; here the plan already
+holds both index maps, so each transpose is the other direction's gather.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ class DispatchPlan:
 
   order: (rows,) the flat (token * top_k + choice) index of each row, in expert order.
   slots: (rows,) each expert-ordered row's position in the buffer (arange when align == 1).
+  slot_of_choice: (rows,) buffer position of each flat (token, choice).
+  choice_of_slot: (buffer_rows,) flat (token, choice) held by each buffer row; `rows` for padding.
   group_sizes: (experts,) real rows per expert.
   padded_group_sizes: (experts,) rows per expert in the buffer, multiples of `align`.
   buffer_rows: static buffer length.
@@ -26,6 +32,8 @@ class DispatchPlan:
 
   order: jax.Array
   slots: jax.Array
+  slot_of_choice: jax.Array
+  choice_of_slot: jax.Array
   group_sizes: jax.Array
   padded_group_sizes: jax.Array
   buffer_rows: int
@@ -37,7 +45,7 @@ class DispatchPlan:
 
 jax.tree_util.register_dataclass(
     DispatchPlan,
-    data_fields=["order", "slots", "group_sizes", "padded_group_sizes"],
+    data_fields=["order", "slots", "slot_of_choice", "choice_of_slot", "group_sizes", "padded_group_sizes"],
     meta_fields=["buffer_rows"],
 )
 
@@ -53,17 +61,19 @@ def buffer_rows(routed_rows: int, num_experts: int, align: int) -> int:
 def plan(experts: jax.Array, num_experts: int, align: int = 1) -> DispatchPlan:
   """Plans the expert-sorted layout for `experts` (tokens, top_k) int32 ids."""
   flat = experts.reshape(-1)
+  rows = flat.shape[0]
   order = jnp.argsort(flat, stable=True).astype(jnp.int32)
   group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-  rows = flat.shape[0]
   if align <= 1:
-    return DispatchPlan(order, jnp.arange(rows, dtype=jnp.int32), group_sizes, group_sizes, rows)
-  padded = (group_sizes + align - 1) // align * align
-  start = jnp.cumsum(group_sizes) - group_sizes
-  padded_start = jnp.cumsum(padded) - padded
-  sorted_expert = flat[order]
-  slots = (jnp.arange(rows, dtype=jnp.int32) - start[sorted_expert] + padded_start[sorted_expert]).astype(jnp.int32)
-  return DispatchPlan(order, slots, group_sizes, padded.astype(jnp.int32), buffer_rows(rows, num_experts, align))
+    padded, slots, size = group_sizes, jnp.arange(rows, dtype=jnp.int32), rows
+  else:
+    padded = ((group_sizes + align - 1) // align * align).astype(jnp.int32)
+    shift = (jnp.cumsum(padded) - padded) - (jnp.cumsum(group_sizes) - group_sizes)
+    slots = (jnp.arange(rows, dtype=jnp.int32) + shift[flat[order]]).astype(jnp.int32)
+    size = buffer_rows(rows, num_experts, align)
+  slot_of_choice = jnp.zeros(rows, jnp.int32).at[order].set(slots, unique_indices=True)
+  choice_of_slot = jnp.full(size, rows, jnp.int32).at[slots].set(order, unique_indices=True)
+  return DispatchPlan(order, slots, slot_of_choice, choice_of_slot, group_sizes, padded, size)
 
 
 def row_experts(p: DispatchPlan) -> jax.Array:
@@ -72,19 +82,54 @@ def row_experts(p: DispatchPlan) -> jax.Array:
   return jnp.repeat(ids, p.padded_group_sizes, total_repeat_length=p.buffer_rows)
 
 
+def _take_with_zero_row(x: jax.Array, index: jax.Array) -> jax.Array:
+  """x[index], where index == len(x) reads a zero row (padding)."""
+  return jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])[index]
+
+
+@jax.custom_vjp
+def _to_slots(x, choice_of_slot, slot_of_choice):
+  top_k = slot_of_choice.shape[0] // x.shape[0]
+  return _take_with_zero_row(x, choice_of_slot // top_k)
+
+
+def _to_slots_fwd(x, choice_of_slot, slot_of_choice):
+  return _to_slots(x, choice_of_slot, slot_of_choice), (slot_of_choice, x.shape[0])
+
+
+def _to_slots_bwd(res, g):
+  slot_of_choice, tokens = res
+  return g[slot_of_choice].reshape(tokens, -1, g.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+
+
+_to_slots.defvjp(_to_slots_fwd, _to_slots_bwd)
+
+
+@jax.custom_vjp
+def _to_choices(y, slot_of_choice, choice_of_slot):
+  return y[slot_of_choice]
+
+
+def _to_choices_fwd(y, slot_of_choice, choice_of_slot):
+  return y[slot_of_choice], choice_of_slot
+
+
+def _to_choices_bwd(choice_of_slot, g):
+  return _take_with_zero_row(g, choice_of_slot), None, None
+
+
+_to_choices.defvjp(_to_choices_fwd, _to_choices_bwd)
+
+
 def dispatch(x: jax.Array, p: DispatchPlan, top_k: int) -> jax.Array:
   """Gathers token rows `x` (tokens, emb) into the expert-sorted buffer; padding rows are zero."""
-  rows = x[p.order // top_k]
-  if p.buffer_rows == p.routed_rows:
-    return rows
-  return jnp.zeros((p.buffer_rows, x.shape[-1]), x.dtype).at[p.slots].set(rows, unique_indices=True)
+  assert p.routed_rows == x.shape[0] * top_k, (p.routed_rows, x.shape, top_k)
+  return _to_slots(x, p.choice_of_slot, p.slot_of_choice)
 
 
 def undispatch(y: jax.Array, p: DispatchPlan) -> jax.Array:
   """Buffer `y` back to one row per routed (token, choice), in the flat order `plan` was given."""
-  rows = y if p.buffer_rows == p.routed_rows else y[p.slots]
-  inverse = jnp.zeros_like(p.order).at[p.order].set(jnp.arange(p.routed_rows, dtype=jnp.int32), unique_indices=True)
-  return rows[inverse]
+  return _to_choices(y, p.slot_of_choice, p.choice_of_slot)
 
 
 def with_groups(p: DispatchPlan, num_groups: int) -> DispatchPlan:
