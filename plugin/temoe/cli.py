@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "env": ("temoe.env", "print the environment profile (XLA flags, NCCL, CUDA, host offload) per GPU arch"),
     "doctor": ("temoe.doctor", "check GPU, Transformer Engine, cuBLAS, NCCL, MaxText and its seams"),
     "launch": ("temoe.launch", "render or submit a job: docker run, Slurm (pyxis/enroot), Kubernetes JobSet"),
+    "plan": ("temoe.plan", "per-device HBM estimate for a config and whether it fits, before launch"),
 }
 """name -> (module with main(argv) -> int, one-line help)."""
 
