@@ -76,8 +76,6 @@ def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
       if layout.buffer_factor > 0:
         capacity = min(capacity, math.ceil(p.routed_rows * layout.buffer_factor))
       padded = expert_parallel.uses_padded_exchange()
-      if padded:  # one slot of routed_rows per device pair: never full
-        capacity = p.routed_rows * layout.ep_size
       ex = expert_parallel.plan_exchange(p.group_sizes, layout.ep_axis, layout.ep_size, capacity)
       local_experts = wi.shape[0]
       if padded:

@@ -4,7 +4,8 @@ Runs per device inside `shard_map` over MaxText's mesh. Each device sorts its ow
 by expert, learns every device's per-expert counts (one small all-gather over the expert axis),
 and exchanges rows with `jax.lax.ragged_all_to_all`: no host sync, static shapes. XLA:CPU has no
 ragged all-to-all, so there the same plan moves rows with a padded `all_to_all` (one slot of
-`rows` per device pair: dropless, more bytes; CPU runs are for correctness). The receive
+`rows` per device pair, more bytes; CPU runs are for correctness), honouring the same capacity,
+so overflow behaves the same on both. The receive
 buffer holds `capacity` rows: the worst case (dropless) unless MaxText's `ragged_buffer_factor`
 bounds it, in which case rows past it are not sent, the layer reports the overflow, and MaxText's
 train step skips that step's update (its te_moe_capacity_overflow handling) rather than train on
