@@ -90,6 +90,9 @@ def temoe_config_class():
     te_moe_backend: str = pydantic.Field(
         "auto", description="temoe MoE backend: auto (te on a GPU with Transformer Engine, else xla), te, xla."
     )
+    te_moe_check_finite: bool = pydantic.Field(
+        False, description="Stop the step, naming the MoE layer, on a NaN/Inf in its output or incoming gradient."
+    )
 
     @pydantic.field_validator("te_gmm_quantization", mode="before")
     @classmethod

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from temoe import options, platform
-from temoe.moe import dispatch, expert_parallel, experts, router
+from temoe.moe import dispatch, expert_parallel, experts, finite_guard, router
 
 
 def backend_for(cfg) -> str:
@@ -141,6 +141,8 @@ def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sha
     )(*args)
   if out_sharding is not None:
     out = jax.lax.with_sharding_constraint(out, out_sharding)
+  if cfg.te_moe_check_finite:
+    out = finite_guard.guard(out, finite_guard.layer_name(layer))
   sow_step_outputs(layer, jnp.max(received), jnp.min(capacity), jnp.any(overflow), routing)
   return out, routing.lb_loss, None
 
