@@ -36,4 +36,4 @@ ENV XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_experime
 # END temoe env profile
 
 ENTRYPOINT ["python3", "-m", "temoe.entrypoint"]
-CMD ["temoe", "train", "/opt/temoe/configs/deepseek3-smoke.yml", "hardware=gpu", "base_output_directory=/tmp/runs"]
+CMD ["temoe", "train", "/opt/temoe/configs/deepseek3-smoke.yml", "hardware=gpu", "dtype=bfloat16", "weight_dtype=bfloat16", "te_gmm_quantization=te_fp8_current", "base_output_directory=/tmp/runs"]
