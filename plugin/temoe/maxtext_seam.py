@@ -1,6 +1,6 @@
 """Everything that touches MaxText internals, in one place, guarded by the MaxText version.
 
-Three seams, each the one function that decides the behaviour temoe changes:
+Four seams, each the one function that decides the behaviour temoe changes:
 
 1. `pyconfig.initialize`'s schema: MaxText accepts a subclass of its config class; temoe passes
    `TemoeConfig`, which widens `te_gmm_quantization` to temoe's recipes, adds `te_moe_backend`,
@@ -10,6 +10,8 @@ Three seams, each the one function that decides the behaviour temoe changes:
    computes there, on the parameters MaxText already made.
 3. `max_utils.maybe_bootstrap_te_moe`: MaxText's NCCL-EP bootstrap for TE's block, which needs
    one device per process and >= 2 ranks; temoe's block needs no bootstrap.
+4. `metric_logger.record_activation_metrics`: what MaxText's train step logs from the model's
+   intermediates under `record_internal_nn_metrics=true`; temoe adds its MoE metrics.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def check_maxtext() -> None:
     missing.append("RoutedMoE._te_moe_block")
   if not callable(getattr(max_utils, "maybe_bootstrap_te_moe", None)):
     missing.append("max_utils.maybe_bootstrap_te_moe")
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
+
+  if not callable(getattr(metric_logger, "record_activation_metrics", None)):
+    missing.append("metric_logger.record_activation_metrics")
   if missing:
     raise TemoeSeamError(f"MaxText {installed} lacks the seams temoe hooks: {', '.join(missing)}.")
 
@@ -199,12 +205,27 @@ def install() -> None:
     if config.te_moe_block:
       max_logging.log(describe_block(config, mesh))
 
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
+
+  original_record = metric_logger.record_activation_metrics
+
+  @functools.wraps(original_record)
+  def record_activation_metrics(output_metrics, intermediate_outputs, config):
+    original_record(output_metrics, intermediate_outputs, config)
+    from temoe import metrics  # pylint: disable=import-outside-toplevel
+
+    metrics.record(output_metrics, intermediate_outputs, config)
+
   _installed.update(
       initialize=original_initialize, te_moe_block=moe.RoutedMoE._te_moe_block, bootstrap=original_bootstrap
   )
   pyconfig.initialize = initialize
   moe.RoutedMoE._te_moe_block = _temoe_block  # pylint: disable=protected-access
   max_utils.maybe_bootstrap_te_moe = maybe_bootstrap_te_moe
+  metric_logger.record_activation_metrics = record_activation_metrics
+  train_module = sys.modules.get("maxtext.trainers.pre_train.train")  # imported it by name already
+  if train_module is not None:
+    train_module.record_activation_metrics = record_activation_metrics
 
 
 def is_installed() -> bool:

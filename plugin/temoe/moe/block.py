@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from temoe import options, platform
+from temoe import metrics, options, platform
 from temoe.moe import dispatch, expert_parallel, experts, finite_guard, router
 
 
@@ -57,7 +57,11 @@ def expert_mlp(layer, layout: Layout, x, p: dispatch.DispatchPlan, wi, wo, biase
 
 
 def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
-  """Dispatch -> experts -> combine on one device's tokens. Returns (output, received, capacity, overflow)."""
+  """Dispatch -> experts -> combine on one device's tokens.
+
+  Returns (output, stats): per-device (1,) arrays `received`, `capacity`, `overflow` and
+  `padded`/`real` (rows at the expert GEMMs with and without alignment padding).
+  """
   shape = x.shape
   top_k = expert_ids.shape[-1]
   x, expert_ids, weights = x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k)
@@ -68,6 +72,7 @@ def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
     with jax.named_scope("temoe_experts"):
       y = expert_mlp(layer, layout, buf, p, wi, wo, biases)
     received, capacity, overflow = jnp.sum(p.padded_group_sizes), p.buffer_rows, jnp.bool_(False)
+    gemm_plan = p
   else:
     with jax.named_scope("temoe_dispatch"):
       p = dispatch.plan(expert_ids, layer.num_experts)
@@ -86,8 +91,9 @@ def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
         local_ids = expert_parallel.local_expert_of_rows(ex, capacity)
       local_plan = dispatch.plan(local_ids[:, None], local_experts + 1, layout.align)  # + sentinel group
       buf = dispatch.dispatch(received_rows, local_plan, 1)
+    gemm_plan = dispatch.with_groups(local_plan, local_experts)
     with jax.named_scope("temoe_experts"):
-      y = expert_mlp(layer, layout, buf, dispatch.with_groups(local_plan, local_experts), wi, wo, biases)
+      y = expert_mlp(layer, layout, buf, gemm_plan, wi, wo, biases)
     with jax.named_scope("temoe_combine"):
       y = dispatch.undispatch(y, local_plan)
       if padded:
@@ -97,7 +103,14 @@ def moe_rows(layer, layout: Layout, x, expert_ids, weights, wi, wo, *biases):
     received, overflow = ex.received, ex.overflow
   with jax.named_scope("temoe_combine"):
     out = dispatch.combine(y, p, weights, layer.config.float32_weight_sum).reshape(shape).astype(layer.dtype)
-  return out, jnp.reshape(received, (1,)).astype(jnp.int32), jnp.full((1,), capacity, jnp.int32), jnp.reshape(overflow, (1,))
+  stats = {
+      "received": jnp.reshape(received, (1,)).astype(jnp.int32),
+      "capacity": jnp.full((1,), capacity, jnp.int32),
+      "overflow": jnp.reshape(overflow, (1,)),
+      "padded": jnp.reshape(jnp.sum(gemm_plan.padded_group_sizes), (1,)).astype(jnp.int32),
+      "real": jnp.reshape(jnp.sum(gemm_plan.group_sizes), (1,)).astype(jnp.int32),
+  }
+  return out, stats
 
 
 def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sharding=None):
@@ -124,7 +137,7 @@ def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sha
   compute = functools.partial(moe_rows, layer, layout)
   args = (inputs, routing.experts, routing.weights, wi, wo, *biases)
   if mesh is None or mesh.size == 1:
-    out, received, capacity, overflow = compute(*args)
+    out, stats = compute(*args)
   else:
     tokens = layer._logical_to_mesh_axes(("activation_batch", "activation_norm_length", None))  # pylint: disable=protected-access
     experts_axis = layout.ep_axis if ep_size > 1 else None
@@ -132,18 +145,21 @@ def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sha
     in_specs = (tokens, tokens, tokens, P(experts_axis), P(experts_axis)) + tuple(
         None if b is None else P(experts_axis) for b in biases
     )
-    out, received, capacity, overflow = jax.shard_map(
+    out, stats = jax.shard_map(
         compute,
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=(tokens, per_device, per_device, per_device),
+        out_specs=(tokens, per_device),
         check_vma=False,
     )(*args)
   if out_sharding is not None:
     out = jax.lax.with_sharding_constraint(out, out_sharding)
   if cfg.te_moe_check_finite:
     out = finite_guard.guard(out, finite_guard.layer_name(layer))
-  sow_step_outputs(layer, jnp.max(received), jnp.min(capacity), jnp.any(overflow), routing)
+  sow_step_outputs(layer, jnp.max(stats["received"]), jnp.min(stats["capacity"]), jnp.any(stats["overflow"]), routing)
+  if metrics.enabled(cfg):
+    padded = jnp.sum(stats["padded"])
+    metrics.sow(layer, routing.experts, routing.scores, 1.0 - jnp.sum(stats["real"]) / jnp.maximum(padded, 1))
   return out, routing.lb_loss, None
 
 

@@ -24,6 +24,7 @@ class Routing:
   weights: jax.Array
   lb_loss: jax.Array | None
   bias_update: jax.Array | None
+  scores: jax.Array  # (batch, seq, experts) router scores before the routed bias, for metrics
 
 
 def route(layer, inputs: jax.Array) -> Routing:
@@ -48,4 +49,7 @@ def route(layer, inputs: jax.Array) -> Routing:
       weights=weights,
       lb_loss=lb_loss,
       bias_update=bias_update,
+      scores=jax.lax.stop_gradient(
+          pre_bias_logits if pre_bias_logits is not None else jax.nn.softmax(gate_logits.astype(jnp.float32), -1)
+      ),
   )
