@@ -14,6 +14,8 @@ SUBCOMMANDS = {
     "doctor": ("temoe.doctor", "check GPU, Transformer Engine, cuBLAS, NCCL, MaxText and its seams"),
     "launch": ("temoe.launch", "render or submit a job: docker run, Slurm (pyxis/enroot), Kubernetes JobSet"),
     "plan": ("temoe.plan", "per-device HBM estimate for a config and whether it fits, before launch"),
+    "profile": ("temoe.profile", "a few steps under the JAX profiler: step time split by MoE stage"),
+    "report": ("temoe.report", "plots and tables of a run directory: loss, throughput, MFU, expert load"),
 }
 """name -> (module with main(argv) -> int, one-line help)."""
 
