@@ -12,7 +12,7 @@ ARGS ?=
 PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3 2>/dev/null | sort -rV); do \
   "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$c"; break; }; done)
 
-.PHONY: train test venv clean
+.PHONY: train test venv clean image image-smoke
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.lock pyproject.toml
@@ -35,3 +35,12 @@ test: venv
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+IMAGE ?= temoe:dev
+BASE_IMAGE ?= ghcr.io/nvidia/jax:maxtext-2026-09-10
+image:   # needs a Docker engine (none here or in CI)
+	docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VCS_REF=$$(git rev-parse --short HEAD) -t $(IMAGE) .
+
+image-smoke: image   # a GPU host with the NVIDIA container toolkit
+	docker run --rm --gpus all $(IMAGE) doctor
+	docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 $(IMAGE) train /opt/temoe/configs/deepseek3-smoke.yml hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 te_gmm_quantization=te_fp8_current base_output_directory=/tmp/runs steps=10
