@@ -39,7 +39,9 @@ def train(maxtext_args: list[str]) -> int:
     print("usage: temoe train <config.yml> [key=value ...]  (MaxText's own arguments)", file=sys.stderr)
     return 2
   import temoe  # pylint: disable=import-outside-toplevel
+  from temoe import distributed  # pylint: disable=import-outside-toplevel
 
+  distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
     from absl import app  # pylint: disable=import-outside-toplevel

@@ -13,7 +13,7 @@ RECIPES = ("te_no_quant", "te_fp8_current", "te_mxfp8")
 BACKENDS = ("auto", "te", "xla")
 """Values of `te_moe_backend`: auto picks `te` on a GPU with Transformer Engine, else `xla`."""
 
-MODELS = ("deepseek3-smoke",)
+MODELS = ("deepseek3-smoke", "deepseek3-proxy")
 """temoe's model shapes (configs/models/<name>.yml), accepted as `model_name` beside MaxText's."""
 
 FP8_RECIPES = ("te_fp8_current", "te_mxfp8")

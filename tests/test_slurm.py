@@ -1,0 +1,90 @@
+"""A real one-node Slurm cluster runs the CPU smoke job with 2 tasks through `temoe launch slurm --submit`.
+
+tests/slurm/cluster.sh installs Debian's slurmctld, slurmd, slurm-client and munge (once), starts
+them as root without systemd and stops them by PID afterwards. The job (virtualenv mode) must form
+one jax.distributed group of 2 processes, train with temoe's block, lower the loss, and get its
+overrides verbatim: its output directory's name holds spaces, quotes, $(...) and backticks, which
+must name a directory and never run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, SMOKE
+
+STEPS = 20
+TRICKY = "out dir $(touch PWNED) `touch PWNED` 'q\""
+
+
+def why_no_cluster() -> str | None:
+  if os.geteuid() != 0:
+    return "starting slurmctld/slurmd needs root (CI runs as root)"
+  if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+    return "no Slurm installed and no apt-get to install Debian's"
+  return None
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+  reason = why_no_cluster()
+  if reason:
+    pytest.skip(reason)
+  state = tmp_path_factory.mktemp("slurm-state")
+  start = subprocess.run(["bash", str(ROOT / "tests/slurm/cluster.sh"), "start", str(state)],
+                         capture_output=True, text=True, timeout=600)
+  assert start.returncode == 0, start.stdout + start.stderr
+  try:
+    yield {**os.environ, "SLURM_CONF": str(state / "slurm.conf")}
+  finally:
+    subprocess.run(["bash", str(ROOT / "tests/slurm/cluster.sh"), "stop", str(state)], timeout=60, check=False)
+
+
+def wait(job_id: str, env: dict, timeout: float = 240) -> str:
+  """Waits until the job leaves the queue; returns `scontrol show job` (kept for MinJobAge)."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    info = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, env=env).stdout
+    if re.search(r"JobState=(COMPLETED|FAILED|CANCELLED|TIMEOUT|NODE_FAIL|OUT_OF_MEMORY)", info):
+      return info
+    time.sleep(2)
+  subprocess.run(["scancel", job_id], env=env, check=False)
+  pytest.fail(f"Slurm job {job_id} still queued or running after {timeout}s")
+
+
+def test_two_task_cpu_job_forms_one_jax_group_and_learns(slurm, tmp_path, smoke_data):
+  workdir, out = tmp_path / "job", tmp_path / TRICKY
+  submit = subprocess.run(
+      [sys.executable, "-m", "temoe.cli", "launch", "slurm", "--submit", "--name", "smoke", "--gpus-per-node", "0",
+       "--tasks-per-node", "2", "--workdir", str(workdir), "--max-restarts", "0", SMOKE,
+       f"base_output_directory={out}", "run_name=smoke", f"grain_train_files={smoke_data}", f"steps={STEPS}",
+       "log_period=5", f"metrics_file={out}/metrics.jsonl"],
+      capture_output=True, text=True, env=slurm, cwd=ROOT, timeout=60)
+  assert submit.returncode == 0, submit.stderr
+  job_id = submit.stdout.strip()
+  info = wait(job_id, slurm)
+  log = (workdir / f"smoke-{job_id}.out").read_text()
+  assert "JobState=COMPLETED" in info and "Restarts=0" in info, info + log[-3000:]
+
+  for rank in (0, 1):  # both tasks joined one group of two
+    assert f"temoe: jax.distributed process {rank} of 2 (Slurm job {job_id}, 2 device(s)" in log
+  assert log.count("te_moe_block=true -> temoe MoE block") == 2 and "recipe te_no_quant, 2 device(s)" in log
+
+  rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  steps = [r["step"] for r in rows]
+  assert all(steps.count(s) == 2 for s in range(1, STEPS)), steps  # each process logged every step
+  assert {r["learning/total_weights"] for r in rows} == {2 * 8 * 63}  # the global batch spans both
+  losses = [r["learning/loss"] for r in sorted(rows, key=lambda r: r["step"])]
+  assert all(math.isfinite(x) for x in losses)
+  assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 1.5, losses
+
+  assert not list(tmp_path.rglob("PWNED")) and not (ROOT / "PWNED").exists()  # nothing ran
