@@ -44,6 +44,9 @@ def train(maxtext_args: list[str]) -> int:
   distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
+    from temoe import preflight  # pylint: disable=import-outside-toplevel
+
+    preflight.check(maxtext_args)  # output dir writable, latest checkpoint readable, before MaxText starts
     from absl import app  # pylint: disable=import-outside-toplevel
     from maxtext.trainers.pre_train import train as maxtext_train  # pylint: disable=import-outside-toplevel
 

@@ -1,0 +1,50 @@
+"""`temoe plan` against measured peaks: the 1-GPU proxy's flags (bench/proxy_1gpu.py), planned on
+this machine (on a GPU: its own; elsewhere: an H200 stand-in), against `peak_hbm_gib` in
+bench/results/proxy_1gpu.json. Prints each plan and estimate / measured; exit 1 if any is off by
+more than the plan's tolerance (15%).
+
+    python bench/plan_check.py [--paths temoe_fp8,tokamax_gmm] [--results bench/results/proxy_1gpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+TOLERANCE = 0.15
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--paths", default="temoe_fp8")
+  parser.add_argument("--results", default=str(HERE / "results" / "proxy_1gpu.json"))
+  args = parser.parse_args()
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  sys.path.insert(0, str(HERE))
+  import proxy_1gpu  # pylint: disable=import-outside-toplevel
+
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+  from temoe import plan  # pylint: disable=import-outside-toplevel
+
+  measured = json.loads(pathlib.Path(args.results).read_text())["paths"]
+  worst = 0.0
+  for path in args.paths.split(","):
+    peak = measured.get(path, {}).get("peak_hbm_gib")
+    if not peak:
+      print(f"{path}: no measured peak_hbm_gib in {args.results}")
+      return 2
+    p = plan.make_plan(os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), [*proxy_1gpu.PROXY, *proxy_1gpu.PATHS[path]])
+    print(plan.table(p))
+    estimate = p.estimate.peak / 2**30
+    ratio = estimate / peak
+    worst = max(worst, abs(ratio - 1))
+    print(f"PLAN_CHECK {json.dumps({'path': path, 'estimate_gib': estimate, 'measured_gib': peak, 'ratio': ratio})}")
+  return 0 if worst <= TOLERANCE else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,62 @@
+"""`temoe train` runs in subprocesses for the tests that stop, resume and compare them.
+
+Each run writes MaxText's JSONL metrics (`metrics_file=`) and its log to files (a pipe nobody
+reads would stall a long log); checkpoints are MaxText's own, under <base>/<run>/checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, SMOKE
+from temoe import preflight
+
+
+def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> list[str]:
+  return [
+      sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={base}", f"run_name={run}",
+      f"grain_train_files={data}", f"metrics_file={base / metrics}", *overrides,
+  ]
+
+
+def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> subprocess.Popen:
+  """Starts a run; its stdout and stderr go to <base>/<metrics>.log."""
+  log = open(base / f"{metrics}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  return subprocess.Popen(command(base, data, run, metrics, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+
+def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, timeout: int = 600):
+  """Runs to completion; returns ({step: loss}, log)."""
+  proc = start(base, data, run, metrics, *overrides)
+  proc.wait(timeout)
+  log = (base / f"{metrics}.log").read_text(encoding="utf-8")
+  assert proc.returncode == 0, log[-4000:]
+  return losses(base / metrics), log
+
+
+def losses(path: pathlib.Path) -> dict[int, float]:
+  """{step: learning/loss} of a metrics JSONL file, as the exact floats MaxText wrote."""
+  rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+  return {int(r["step"]): r["learning/loss"] for r in rows}
+
+
+def finalized_steps(checkpoints: pathlib.Path) -> list[int]:
+  """Committed checkpoint steps, as Orbax lists them (an in-flight save is a tmp dir, not listed)."""
+  return preflight.finalized_steps(str(checkpoints))
+
+
+def kill_after_checkpoint(proc: subprocess.Popen, checkpoints: pathlib.Path, after: int, timeout: float = 300) -> None:
+  """SIGKILLs `proc` as soon as a checkpoint of a step >= `after` is committed."""
+  deadline = time.monotonic() + timeout
+  while proc.poll() is None and time.monotonic() < deadline:
+    if any(step >= after for step in finalized_steps(checkpoints)):
+      os.kill(proc.pid, signal.SIGKILL)
+      break
+    time.sleep(0.002)
+  proc.wait(timeout)
