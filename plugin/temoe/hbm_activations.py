@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from temoe import options
+
 GIB = 2**30
 
-ROW_ALIGNMENT = {"te_no_quant": 1, "te_fp8_current": 16, "te_mxfp8": 128}
-"""temoe.moe.te_experts.ROW_ALIGNMENT (that module imports Transformer Engine, absent on CPU hosts)."""
 
 
 def xla_ragged_dot_bytes(rows: int, experts: int, emb: int, mlp: int, act: int) -> int:
@@ -143,7 +143,7 @@ def moe_rows(config, s: Shapes, backend: str) -> tuple[int, int, int]:
   from temoe.moe import dispatch  # pylint: disable=import-outside-toplevel
 
   routed = s.tokens * config.num_experts_per_tok
-  align = ROW_ALIGNMENT[str(config.te_gmm_quantization)] if backend == "te" else 1
+  align = options.ROW_ALIGNMENT[str(config.te_gmm_quantization)] if backend == "te" else 1
   if s.ep == 1:
     return routed, dispatch.buffer_rows(routed, config.num_experts, align), 0
   capacity = routed * s.ep  # worst case: every device routes all its rows to one device (dropless)

@@ -18,6 +18,18 @@ MODELS = ("deepseek3-smoke", "deepseek3-proxy")
 
 FP8_RECIPES = ("te_fp8_current", "te_mxfp8")
 
+ROW_ALIGNMENT = {
+    # bf16 operands are never physically transposed, so a group's row count is never a cuBLAS
+    # leading dimension: any group size works.
+    "te_no_quant": 1,
+    # Hopper FP8 GEMMs are TN only, so wgrad reads each group's transposed rows: cuBLAS wants that
+    # leading dimension (the group's row count) % 16 == 0 ("Caller must pad").
+    "te_fp8_current": 16,
+    # MXFP8 scales are padded to 128x4 tiles per group; TE's grouped quantize/GEMM need 128-row groups.
+    "te_mxfp8": 128,
+}
+"""Rows every expert group is padded to by the te backend, per recipe."""
+
 MIN_COMPUTE_CAPABILITY = {"te_fp8_current": (8, 9), "te_mxfp8": (10, 0)}
 """The oldest GPU each quantized recipe runs on: FP8 needs Ada/Hopper, MXFP8 Blackwell."""
 

@@ -13,19 +13,11 @@ import jax.numpy as jnp
 from transformer_engine.jax.dense import grouped_dense
 from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode, noop_quantizer_set
 
+from temoe import options
 from temoe.moe import experts
 from temoe.moe.dispatch import DispatchPlan
 
-ROW_ALIGNMENT = {
-    # bf16 operands are never physically transposed, so a group's row count is never a cuBLAS
-    # leading dimension: any group size works.
-    "te_no_quant": 1,
-    # Hopper FP8 GEMMs are TN only, so wgrad reads each group's transposed rows: cuBLAS wants that
-    # leading dimension (the group's row count) % 16 == 0 ("Caller must pad").
-    "te_fp8_current": 16,
-    # MXFP8 scales are padded to 128x4 tiles per group; TE's grouped quantize/GEMM need 128-row groups.
-    "te_mxfp8": 128,
-}
+ROW_ALIGNMENT = options.ROW_ALIGNMENT
 
 
 def recipe_of(cfg) -> str:
