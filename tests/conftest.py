@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -13,7 +14,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "deepseek3-smoke.yml")
 
 
-def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = "/tmp/temoe-tests"):
+_OUTPUT = tempfile.mkdtemp(prefix="temoe-tests-")  # this process's own: concurrent runs never share it
+
+
+def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
   """A MaxText HyperParameters for `config` plus `key=value` overrides, through temoe's schema."""
   import temoe  # pylint: disable=import-outside-toplevel
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel

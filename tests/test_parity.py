@@ -42,6 +42,8 @@ def check(r: dict, dropless_rows: int | None = None, compare_lb_loss: bool = Tru
 def test_block_matches_maxtext_native_moe(router):
   r = compare(router)
   check(r, dropless_rows=r["routed_rows"])
+  assert r["lb_loss_present"] == [True, True] and r["lb_loss"] is not None  # both configs weigh the aux loss
+  assert r["bias_update_present"] == ([True, True] if router == "deepseek3" else [False, False])
 
 
 MESHES = {

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -97,8 +96,11 @@ def test_bad_input_exits_2_with_one_line(capsys, case):
   assert len(lines) == 1 and expected in lines[0], lines
 
 
-def test_cli_routes_plan():
-  from temoe import cli  # pylint: disable=import-outside-toplevel
+def test_cli_plans_the_smoke_config_and_reports_a_miss():
+  """`temoe plan` through the CLI: fits in 141 GiB (exit 0), does not fit in 0.001 GiB (exit 1)."""
+  from conftest import run_temoe  # pylint: disable=import-outside-toplevel
 
-  assert cli.SUBCOMMANDS["plan"][0] == "temoe.plan"
-  assert pathlib.Path(plan.__file__).name == "plan.py"
+  fits = run_temoe("plan", SMOKE, "--hbm-gib", "141")
+  assert fits.returncode == 0 and "fits" in fits.stdout, fits.stderr[-2000:]
+  miss = run_temoe("plan", SMOKE, "--hbm-gib", "0.001")
+  assert miss.returncode == 1, miss.stderr[-2000:]

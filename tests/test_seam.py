@@ -12,16 +12,26 @@ from conftest import SMOKE
 from temoe import maxtext_seam
 
 
-def test_register_is_idempotent_and_hooks_the_three_seams():
+def test_register_is_idempotent_and_hooks_the_four_seams():
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
   from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train  # pylint: disable=import-outside-toplevel
   from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
 
+  def seams():
+    return (pyconfig.initialize, moe.RoutedMoE._te_moe_block, max_utils.maybe_bootstrap_te_moe,
+            metric_logger.record_activation_metrics)
+
   temoe.register()
-  hooked = (pyconfig.initialize, moe.RoutedMoE._te_moe_block, max_utils.maybe_bootstrap_te_moe)
+  hooked = seams()
   temoe.register()
-  assert (pyconfig.initialize, moe.RoutedMoE._te_moe_block, max_utils.maybe_bootstrap_te_moe) == hooked
+  assert seams() == hooked
   assert moe.RoutedMoE._te_moe_block is maxtext_seam._temoe_block
+  assert train.record_activation_metrics is metric_logger.record_activation_metrics  # train's own name too
+  assert hooked[0] is not maxtext_seam._installed["initialize"] and hooked[0].__wrapped__ is maxtext_seam._installed["initialize"]
+  assert hooked[2] is not maxtext_seam._installed["bootstrap"]
+  assert hooked[3].__wrapped__.__module__ == "maxtext.common.metric_logger"  # MaxText's, wrapped
   assert maxtext_seam.is_installed()
 
 

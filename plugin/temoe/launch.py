@@ -26,7 +26,7 @@ import shlex
 import subprocess
 import sys
 
-TEMPLATES = pathlib.Path(__file__).resolve().parents[2] / "launch"
+TEMPLATES = pathlib.Path(__file__).resolve().parent / "templates"  # package data: in the image too
 """launch/ of the temoe checkout: sbatch.sh.j2, jobset.yaml.j2."""
 
 HARDWARE = {"docker": "gpu", "slurm": "gpu_multiprocess", "k8s": "gpu"}

@@ -183,7 +183,7 @@ _installed: dict[str, Any] = {}
 
 
 def install() -> None:
-  """Installs the three seams once; a second call changes nothing."""
+  """Installs the four seams once; a second call changes nothing."""
   if _installed:
     return
   use_packaged_assets()

@@ -46,8 +46,3 @@ def mlp_xla(
   act = layer.apply_ffn_activation(w0, w1)
   y = jax.lax.ragged_dot(act, wo, group_sizes, preferred_element_type=layer.dtype)
   return tag_down(add_row_bias(y, wo_bias, experts_of_rows))
-
-
-def needs_row_experts(biases) -> bool:
-  return any(b is not None for b in biases)
-
