@@ -15,7 +15,6 @@ import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
-TOLERANCE = 0.15
 
 
 def main() -> int:
@@ -43,7 +42,7 @@ def main() -> int:
     ratio = estimate / peak
     worst = max(worst, abs(ratio - 1))
     print(f"PLAN_CHECK {json.dumps({'path': path, 'estimate_gib': estimate, 'measured_gib': peak, 'ratio': ratio})}")
-  return 0 if worst <= TOLERANCE else 1
+  return 0 if worst <= plan.TOLERANCE else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, SMOKE
 from temoe import plan
 
-TOLERANCE = 0.15
+TOLERANCE = plan.TOLERANCE
 """The estimate is within 15% of the measured peak (both ways)."""
 
 def start_measuring(devices: int, *cases: str) -> subprocess.Popen:

@@ -30,6 +30,9 @@ class PlanInputError(ValueError):
   """Arguments `temoe plan` cannot plan for; exit code 2."""
 
 
+TOLERANCE = 0.15
+"""How far an estimate may be from a measured peak (tests, bench/plan_check.py)."""
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser = argparse.ArgumentParser(prog="temoe plan", description=__doc__.splitlines()[0])
   parser.add_argument("config", help="MaxText config YAML (as for temoe train)")

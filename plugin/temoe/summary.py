@@ -1,23 +1,22 @@
-"""Prints a run's loss and throughput from MaxText's metrics file (`metrics_file=...jsonl`)."""
+"""Prints a run's loss and throughput in one line (`make train`), from `temoe report`'s summary."""
 
 from __future__ import annotations
 
 import json
-import statistics
 import sys
+
+from temoe import report
 
 
 def summarize(path: str) -> str:
   rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
   if not rows:
     return f"{path}: no steps logged"
-  losses = [r["learning/loss"] for r in rows]
-  steady = rows[min(2, len(rows) - 1) :]  # the first steps include compilation
-  tokens = statistics.median(r["perf/per_device_tokens_per_sec"] for r in steady)
-  tflops = statistics.median(r["perf/per_device_tflops_per_sec"] for r in steady)
+  s = report.summarize(rows, path, None, None)
   return (
-      f"temoe run: {len(rows)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-      f"median {tokens:,.0f} tokens/s/device, {tflops:.4f} TFLOP/s/device (MaxText's count)"
+      f"temoe run: {s['steps']} steps, loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}; "
+      f"median {s['median_tokens_per_s_per_device']:,.0f} tokens/s/device, "
+      f"{s['median_maxtext_tflops_per_s_per_device']:.4f} TFLOP/s/device (MaxText's count)"
   )
 
 
