@@ -28,7 +28,7 @@ $(VENV)/.installed: requirements.lock pyproject.toml
 train: venv
 	$(VENV)/bin/temoe data --out runs/data/smoke-train.parquet
 	$(VENV)/bin/temoe train $(CONFIG) base_output_directory=runs run_name=$(RUN) metrics_file=runs/$(RUN)/metrics.jsonl $(ARGS)
-	$(PY) -m temoe.summary runs/$(RUN)/metrics.jsonl
+	$(PY) -m temoe.tools.summary runs/$(RUN)/metrics.jsonl
 
 test: venv
 	$(PY) -m pytest tests

@@ -21,7 +21,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from temoe.moe import dispatch, experts
+from temoe.moe import dispatch
+from temoe.moe.experts import xla as experts
 
 HIDDEN, FFN, EXPERTS, TOKENS, TOP_K = 7168, 2048, 32, 8192, 8
 
@@ -62,7 +63,7 @@ def moe_fwdbwd(backend: str, recipe: str, ids, weights, align_override: int | No
   layer = ExpertsLayer(jnp.bfloat16, type("Cfg", (), {"te_gmm_quantization": recipe})())
   align = 1
   if backend == "te":
-    from temoe.moe import te_experts  # pylint: disable=import-outside-toplevel
+    from temoe.moe.experts import te as te_experts  # pylint: disable=import-outside-toplevel
 
     align = align_override or te_experts.ROW_ALIGNMENT[recipe]
 

@@ -27,7 +27,7 @@ def main() -> int:
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
   from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-  from temoe import plan  # pylint: disable=import-outside-toplevel
+  from temoe.tools import plan  # pylint: disable=import-outside-toplevel
 
   measured = json.loads(pathlib.Path(args.results).read_text())["paths"]
   worst = 0.0

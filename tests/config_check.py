@@ -45,12 +45,13 @@ def main() -> None:
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   sys.path.insert(0, os.path.dirname(__file__))
   from conftest import maxtext_config  # pylint: disable=import-outside-toplevel
-  from temoe import model_size, platform  # pylint: disable=import-outside-toplevel
+  from temoe.tools import model_size  # pylint: disable=import-outside-toplevel
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   if args.gpu:
     kind, cc, cublas = GPUS[args.gpu]
-    target = platform.Platform("gpu", kind, cc, "2.20.2", None, cublas)
-    platform.detect = lambda: target
+    target = hardware.Platform("gpu", kind, cc, "2.20.2", None, cublas)
+    hardware.detect = lambda: target
   slices = args.slices or args.nodes
   try:
     config = maxtext_config(*([f"num_slices={slices}"] if args.gpu else []), *overrides, config=args.config)

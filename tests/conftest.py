@@ -37,6 +37,23 @@ def run_temoe(*args: str, cwd: str | os.PathLike = ROOT, env: dict | None = None
 @pytest.fixture(scope="session")
 def smoke_data(tmp_path_factory) -> str:
   """The learnable token stream the smoke config trains on, written once per session."""
-  from temoe import data  # pylint: disable=import-outside-toplevel
+  from temoe.run import data  # pylint: disable=import-outside-toplevel
 
   return data.write_parquet(str(tmp_path_factory.mktemp("data") / "smoke-train.parquet"))
+
+
+MARKERS = {"unit": "fast CPU tests", "e2e": "training runs in subprocesses (slow)", "slurm": "a real Slurm cluster",
+           "gpu": "needs a GPU (bench/run_gpu.sh runs them)"}
+
+
+def pytest_configure(config):
+  for name, doc in MARKERS.items():
+    config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+def pytest_collection_modifyitems(items):
+  """Each test is marked by its folder (tests/unit, e2e, slurm, gpu): `pytest -m unit` runs the fast ones."""
+  for item in items:
+    folder = pathlib.Path(str(item.fspath)).parent.name
+    if folder in MARKERS:
+      item.add_marker(folder)

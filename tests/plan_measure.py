@@ -1,4 +1,4 @@
-"""Measures the train step's memory on this host's devices and prints it beside `temoe.hbm`'s estimate.
+"""Measures the train step's memory on this host's devices and prints it beside `temoe.tools.hbm`'s estimate.
 
     python tests/plan_measure.py CASE [CASE ...]     (cases: plan_measure.CASES; one JSON line each)
 
@@ -48,7 +48,7 @@ def measure(case: str) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
 
   from conftest import maxtext_config  # pylint: disable=import-outside-toplevel
-  from temoe import hbm  # pylint: disable=import-outside-toplevel
+  from temoe.tools import hbm  # pylint: disable=import-outside-toplevel
 
   config = maxtext_config(*CASES[case], "log_config=false")
   compiled, mesh = compiled_train_step(config)

@@ -15,7 +15,7 @@ import sys
 import time
 
 from conftest import ROOT, SMOKE
-from temoe import preflight
+from temoe.run import preflight
 
 
 def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> list[str]:

@@ -7,10 +7,10 @@ __version__ = "0.1.0"
 
 
 def register() -> None:
-  """Hooks temoe into the installed MaxText (idempotent); see `temoe.maxtext_seam`."""
-  from temoe import maxtext_seam  # pylint: disable=import-outside-toplevel
+  """Hooks temoe into the installed MaxText (idempotent); see `temoe.maxtext.seams`."""
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
 
-  maxtext_seam.install()
+  seams.install()
 
 
 __all__ = ["register", "__version__"]

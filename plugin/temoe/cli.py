@@ -9,13 +9,13 @@ import importlib
 import sys
 
 SUBCOMMANDS = {
-    "data": ("temoe.data", "write the learnable token stream the CPU configs train on"),
-    "env": ("temoe.env", "print the environment profile (XLA flags, NCCL, CUDA, host offload) per GPU arch"),
-    "doctor": ("temoe.doctor", "check GPU, Transformer Engine, cuBLAS, NCCL, MaxText and its seams"),
-    "launch": ("temoe.launch", "render or submit a job: docker run, Slurm (pyxis/enroot), Kubernetes JobSet"),
-    "plan": ("temoe.plan", "per-device HBM estimate for a config and whether it fits, before launch"),
-    "profile": ("temoe.profile", "a few steps under the JAX profiler: step time split by MoE stage"),
-    "report": ("temoe.report", "plots and tables of a run directory: loss, throughput, MFU, expert load"),
+    "data": ("temoe.run.data", "write the learnable token stream the CPU configs train on"),
+    "env": ("temoe.deploy.env", "print the environment profile (XLA flags, NCCL, CUDA, host offload) per GPU arch"),
+    "doctor": ("temoe.deploy.doctor", "check GPU, Transformer Engine, cuBLAS, NCCL, MaxText and its seams"),
+    "launch": ("temoe.deploy.launch", "render or submit a job: docker run, Slurm (pyxis/enroot), Kubernetes JobSet"),
+    "plan": ("temoe.tools.plan", "per-device HBM estimate for a config and whether it fits, before launch"),
+    "profile": ("temoe.tools.profiling", "a few steps under the JAX profiler: step time split by MoE stage"),
+    "report": ("temoe.tools.report", "plots and tables of a run directory: loss, throughput, MFU, expert load"),
 }
 """name -> (module with main(argv) -> int, one-line help)."""
 
@@ -26,9 +26,10 @@ def config_error_message(exc: BaseException) -> str | None:
 
   if isinstance(exc, pydantic.ValidationError):
     return "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg']}" for e in exc.errors())
-  from temoe import maxtext_seam, options  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  from temoe import recipes  # pylint: disable=import-outside-toplevel
 
-  if isinstance(exc, (options.TemoeConfigError, maxtext_seam.TemoeSeamError)):
+  if isinstance(exc, (recipes.TemoeConfigError, seams.TemoeSeamError)):
     return str(exc)
   return None
 
@@ -39,12 +40,12 @@ def train(maxtext_args: list[str]) -> int:
     print("usage: temoe train <config.yml> [key=value ...]  (MaxText's own arguments)", file=sys.stderr)
     return 2
   import temoe  # pylint: disable=import-outside-toplevel
-  from temoe import distributed  # pylint: disable=import-outside-toplevel
+  from temoe.run import distributed  # pylint: disable=import-outside-toplevel
 
   distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
-    from temoe import preflight  # pylint: disable=import-outside-toplevel
+    from temoe.run import preflight  # pylint: disable=import-outside-toplevel
 
     preflight.check(maxtext_args)  # output dir writable, latest checkpoint readable, before MaxText starts
     from absl import app  # pylint: disable=import-outside-toplevel

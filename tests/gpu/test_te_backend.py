@@ -22,8 +22,9 @@ if jax.devices()[0].platform != "gpu":
 pytest.importorskip("transformer_engine.jax")
 
 # pylint: disable=wrong-import-position
-from temoe import platform
-from temoe.moe import dispatch, experts, te_experts
+from temoe import hardware
+from temoe.moe import dispatch
+from temoe.moe.experts import te as te_experts, xla as experts
 
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 8, 256, 128, 512, 2  # 1024 routed rows
 NO_BIAS = (None, None, None)
@@ -47,7 +48,7 @@ class StandInLayer:
 
 def why_skip(recipe: str) -> str | None:
   """None if TE can run `recipe` in this process, else why not (temoe's platform check, as the block uses)."""
-  return platform.detect().why_not(recipe)
+  return hardware.detect().why_not(recipe)
 
 
 def routing(kind: str, key) -> jax.Array:

@@ -20,22 +20,27 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from temoe import metrics, options, platform
-from temoe.moe import dispatch, expert_parallel, experts, finite_guard, router
+from temoe.maxtext import metrics
+from temoe import recipes
+from temoe import hardware
+from temoe.moe import dispatch, expert_parallel, finite_guard
+from temoe.maxtext import router
+from temoe.moe.routing import Routing
+from temoe.moe.experts import xla as experts
 
 
 def backend_for(cfg) -> str:
   """The backend this process runs for `cfg` (`te` or `xla`), or a TemoeConfigError."""
-  return options.resolve_backend(cfg.te_moe_backend, str(cfg.te_gmm_quantization), platform.detect())
+  return recipes.resolve_backend(cfg.te_moe_backend, str(cfg.te_gmm_quantization), hardware.detect())
 
 
 def expert_backend(backend: str):
   """The module computing the expert MLP for a non-reference backend (imported only when used)."""
   if backend == "te":
-    from temoe.moe import te_experts  # pylint: disable=import-outside-toplevel
+    from temoe.moe.experts import te as te_experts  # pylint: disable=import-outside-toplevel
 
     return te_experts
-  raise options.TemoeConfigError(f"te_moe_backend={backend!r}; valid choices: {', '.join(options.BACKENDS)}.")
+  raise recipes.TemoeConfigError(f"te_moe_backend={backend!r}; valid choices: {', '.join(recipes.BACKENDS)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +168,7 @@ def run(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sha
   return out, routing.lb_loss, None
 
 
-def sow_step_outputs(layer, received, capacity, overflow, routing: router.Routing) -> None:
+def sow_step_outputs(layer, received, capacity, overflow, routing: Routing) -> None:
   """Sows what MaxText's train step reads for te_moe_block, and the routed-bias update."""
   layer.sow(nnx.Intermediate, "te_moe_total_recv_tokens", received.astype(jnp.int32))
   layer.sow(nnx.Intermediate, "te_moe_recv_capacity_per_rank", capacity.astype(jnp.int32))

@@ -1,0 +1,241 @@
+"""`temoe launch {docker,slurm,k8s}`: one job description rendered as a `docker run`, an sbatch
+script, or a Kubernetes JobSet.
+
+Every launcher runs `temoe train <config> [override ...]`, through the image's entrypoint
+(`temoe.deploy.entrypoint`: the env profile for the node's GPU) for GPU jobs, with the overrides as separate argv
+entries that no shell ever parses: the docker SDK and the JobSet pass argv lists, and the sbatch
+script holds them shell-quoted (shlex) in a bash array that srun receives as argv. Process layout
+and the MaxText mode that forms the jax.distributed group from it:
+
+  docker  one process, all GPUs of one host           hardware=gpu
+  slurm   one task per GPU (per `--tasks-per-node`    hardware=gpu_multiprocess: jax.distributed
+          on CPUs), pyxis image or a virtualenv        .initialize() reads Slurm's environment
+  k8s     one pod per node, all its GPUs, JobSet      hardware=gpu: MaxText reads JAX_COORDINATOR_IP,
+          indexed pods                                 NNODES, NODE_RANK (the pod's completion index)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+TEMPLATES = pathlib.Path(__file__).resolve().parent / "templates"  # package data: in the image too
+"""launch/ of the temoe checkout: sbatch.sh.j2, jobset.yaml.j2."""
+
+HARDWARE = {"docker": "gpu", "slurm": "gpu_multiprocess", "k8s": "gpu"}
+"""MaxText's hardware mode for each launcher's process layout (GPU jobs; an explicit hardware= wins)."""
+
+STACK_BYTES = 64 * 1024 * 1024
+COORDINATOR_PORT = 3389
+
+
+@dataclasses.dataclass
+class Job:
+  """What to run and where; every launcher renders the same description."""
+
+  config: str
+  overrides: list[str] = dataclasses.field(default_factory=list)
+  name: str = "temoe"
+  nodes: int = 1
+  gpus_per_node: int = 8
+  tasks_per_node: int | None = None  # Slurm: one per GPU unless given (CPU jobs: --gpus-per-node 0)
+  image: str | None = None  # docker/k8s: required; Slurm: pyxis image, or None for a virtualenv
+  venv: str | None = None  # Slurm without an image: the virtualenv to activate (default: this one)
+  workdir: str = dataclasses.field(default_factory=os.getcwd)
+  mounts: list[str] = dataclasses.field(default_factory=list)  # HOST:CONTAINER[:ro]
+  env: dict[str, str] = dataclasses.field(default_factory=dict)
+  sbatch_options: list[str] = dataclasses.field(default_factory=list)  # e.g. --partition=batch
+  max_restarts: int = 3
+
+  @property
+  def tasks(self) -> int:
+    return self.tasks_per_node or self.gpus_per_node or 1
+
+
+def environment(job: Job) -> dict[str, str]:
+  """The job's own variables (--env). The env profile is not merged here: every GPU launch runs
+  `temoe.deploy.entrypoint` (the image's ENTRYPOINT; `python -m temoe.deploy.entrypoint` under srun), which adds
+  the profile for the GPU it finds on the node, under these and anything else the user set."""
+  bad = [key for key in job.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
+  if bad:
+    raise ValueError(f"environment variable name {bad[0]!r} is not a valid name")
+  return dict(job.env)
+
+
+def train_argv(job: Job, launcher: str) -> list[str]:
+  """`temoe` argv: train, the config, the overrides verbatim, and the launcher's hardware mode."""
+  extra = []
+  if job.gpus_per_node and not any(o.startswith("hardware=") for o in job.overrides):
+    extra.append(f"hardware={HARDWARE[launcher]}")
+  return ["train", job.config, *job.overrides, *extra]
+
+
+def _mount(spec: str) -> tuple[str, str, str]:
+  parts = spec.split(":")
+  if len(parts) not in (2, 3) or not all(parts[:2]) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+    raise ValueError(f"mount {spec!r} is not HOST:CONTAINER[:ro|rw]")
+  return parts[0], parts[1], parts[2] if len(parts) == 3 else "rw"
+
+
+def _need_image(job: Job, launcher: str) -> str:
+  if not job.image:
+    raise ValueError(f"`temoe launch {launcher}` needs --image")
+  return job.image
+
+
+def docker_run_kwargs(job: Job) -> dict:
+  """Keyword arguments of docker SDK's `containers.run`: all GPUs, host IPC, memlock/stack ulimits."""
+  import docker  # pylint: disable=import-outside-toplevel
+
+  if job.nodes != 1:
+    raise ValueError("`temoe launch docker` runs on one host; use slurm or k8s for --nodes > 1")
+  return {
+      "image": _need_image(job, "docker"),
+      "command": train_argv(job, "docker"),
+      "name": job.name,
+      "device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if job.gpus_per_node else [],
+      "ipc_mode": "host",
+      "ulimits": [docker.types.Ulimit(name="memlock", soft=-1, hard=-1),
+                  docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
+      "volumes": {host: {"bind": path, "mode": mode} for host, path, mode in map(_mount, job.mounts)},
+      "environment": environment(job),
+  }
+
+
+def docker_run_line(kwargs: dict) -> str:
+  """The `docker run` command line equivalent to `kwargs`, quoted for any POSIX shell."""
+  argv = ["docker", "run", "--rm", "--name", kwargs["name"]]
+  argv += ["--gpus", "all"] if kwargs["device_requests"] else []
+  argv += ["--ipc", kwargs["ipc_mode"]]
+  for ulimit in kwargs["ulimits"]:
+    argv += ["--ulimit", f"{ulimit.name}={ulimit.soft}:{ulimit.hard}"]
+  for host, bind in kwargs["volumes"].items():
+    argv += ["-v", f"{host}:{bind['bind']}:{bind['mode']}"]
+  for key, value in kwargs["environment"].items():
+    argv += ["-e", f"{key}={value}"]
+  return shlex.join([*argv, kwargs["image"], *kwargs["command"]])
+
+
+def run_docker(job: Job) -> int:
+  """Runs the container through the Docker engine, streams its output, returns its exit code."""
+  import docker  # pylint: disable=import-outside-toplevel
+
+  container = docker.from_env().containers.run(detach=True, **docker_run_kwargs(job))
+  try:
+    for chunk in container.logs(stream=True, follow=True):
+      sys.stdout.buffer.write(chunk)
+      sys.stdout.flush()
+    return int(container.wait()["StatusCode"])
+  finally:
+    container.remove(force=True)
+
+
+def _render(template: str, **values) -> str:
+  import jinja2  # pylint: disable=import-outside-toplevel
+
+  env = jinja2.Environment(
+      loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined, keep_trailing_newline=True
+  )
+  env.filters["sh"] = lambda value: shlex.quote(str(value))
+  env.filters["json"] = lambda value: json.dumps(value, ensure_ascii=False)  # a YAML double-quoted scalar
+  env.filters["kube"] = lambda value: value.replace("$", "$$")  # Kubernetes expands $(VAR) in args and env
+  return env.get_template(template).render(**values)
+
+
+def sbatch_script(job: Job) -> str:
+  """The sbatch script: one task per GPU, pyxis or a virtualenv, requeue on failure (resumes)."""
+  for value in (job.name, job.workdir, *job.sbatch_options):
+    if any(c.isspace() for c in value):
+      raise ValueError(f"#SBATCH values cannot hold whitespace: {value!r}")
+  mounts = ",".join(":".join(m for m in _mount(spec) if m != "rw") for spec in job.mounts)
+  return _render(
+      "sbatch.sh.j2", job=job, tasks=job.tasks, argv=train_argv(job, "slurm"), env=environment(job),
+      mounts=mounts, venv=job.venv or sys.prefix,
+  )
+
+
+def submit(script: str, job: Job) -> str:
+  """Writes the script into the job directory (beside its log) and submits it; returns the job id."""
+  path = pathlib.Path(job.workdir, f"{job.name}.sbatch")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(script, encoding="utf-8")
+  done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=True)
+  return done.stdout.strip().split(";")[0]
+
+
+def jobset_manifest(job: Job) -> str:
+  """The JobSet: indexed pods, one per node, coordinator pod 0, GPUs, /dev/shm, image, env."""
+  image = _need_image(job, "k8s")
+  if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", job.name):
+    raise ValueError(f"--name {job.name!r}: a JobSet name is lowercase letters, digits and '-' (at most 40)")
+  volumes = [{"name": f"mount-{i}", "host": host, "path": path, "read_only": mode == "ro"}
+             for i, (host, path, mode) in enumerate(map(_mount, job.mounts))]
+  return _render(
+      "jobset.yaml.j2", job=job, image=image, argv=train_argv(job, "k8s"), env=environment(job),
+      volumes=volumes, coordinator=f"{job.name}-workers-0-0.{job.name}", port=COORDINATOR_PORT,
+  )
+
+
+def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
+  parser = argparse.ArgumentParser(prog="temoe launch", description=__doc__.splitlines()[0])
+  parser.add_argument("launcher", choices=("docker", "slurm", "k8s"))
+  parser.add_argument("config", help="MaxText YAML, as the job sees it (a path in the image or workdir)")
+  parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides, passed verbatim")
+  parser.add_argument("--name", default="temoe")
+  parser.add_argument("--nodes", type=int, default=1)
+  parser.add_argument("--gpus-per-node", type=int, default=8, help="0 for a CPU job")
+  parser.add_argument("--tasks-per-node", type=int, help="Slurm: default one per GPU")
+  parser.add_argument("--image", help="container image (Slurm: pyxis; without it, a virtualenv)")
+  parser.add_argument("--venv", help="Slurm without --image: virtualenv to activate (default: this one)")
+  parser.add_argument("--workdir", default=os.getcwd(), help="Slurm: job directory (logs, script)")
+  parser.add_argument("--mount", action="append", default=[], metavar="HOST:CONTAINER[:ro]")
+  parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+  parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
+  parser.add_argument("--max-restarts", type=int, default=3, help="Slurm requeues / JobSet restarts")
+  parser.add_argument("--dry-run", action="store_true", help="docker: print the `docker run` line")
+  parser.add_argument("--submit", action="store_true", help="slurm: submit with sbatch")
+  args = parser.parse_args(argv)
+  bad_env = [e for e in args.env if "=" not in e]
+  if bad_env:
+    parser.error(f"--env needs KEY=VALUE: {bad_env[0]!r}")
+  config = args.config
+  if args.launcher == "slurm" and not args.image:  # the job runs here, maybe from another directory
+    config = os.path.abspath(config)
+  job = Job(
+      config=config, overrides=args.overrides, name=args.name, nodes=args.nodes,
+      gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, image=args.image, venv=args.venv,
+      workdir=os.path.abspath(args.workdir), mounts=args.mount, env=dict(e.split("=", 1) for e in args.env),
+      sbatch_options=args.sbatch, max_restarts=args.max_restarts,
+  )
+  return args.launcher, job, args
+
+
+def main(argv: list[str]) -> int:
+  """`temoe launch docker|slurm|k8s [options] <config.yml> [key=value ...]`."""
+  launcher, job, args = parse(argv)
+  try:
+    if launcher == "docker":
+      if args.dry_run:
+        print(docker_run_line(docker_run_kwargs(job)))
+        return 0
+      return run_docker(job)
+    if launcher == "slurm":
+      script = sbatch_script(job)
+      if args.submit:
+        print(submit(script, job))
+      else:
+        print(script, end="")
+      return 0
+    print(jobset_manifest(job), end="")
+    return 0
+  except (ValueError, subprocess.CalledProcessError) as exc:
+    detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else exc
+    print(f"temoe launch: {detail}", file=sys.stderr)
+    return 2

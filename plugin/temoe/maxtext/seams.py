@@ -1,0 +1,161 @@
+"""Everything that touches MaxText internals, in one place, guarded by the MaxText version.
+
+Four seams, each the one function that decides the behaviour temoe changes:
+
+1. `pyconfig.initialize`'s schema: MaxText accepts a subclass of its config class; temoe passes
+   `TemoeConfig`, which widens `te_gmm_quantization` to temoe's recipes, adds `te_moe_backend`,
+   and lifts the two te_moe_block restrictions MaxText has only because TE's moe() lacks them
+   (loss-free bias updates, top-k normalisation). MaxText's own validation still runs.
+2. `RoutedMoE._te_moe_block`: the method MaxText calls for `te_moe_block=true`; temoe's block
+   computes there, on the parameters MaxText already made.
+3. `max_utils.maybe_bootstrap_te_moe`: MaxText's NCCL-EP bootstrap for TE's block, which needs
+   one device per process and >= 2 ranks; temoe's block needs no bootstrap.
+4. `metric_logger.record_activation_metrics`: what MaxText's train step logs from the model's
+   intermediates under `record_internal_nn_metrics=true`; temoe adds its MoE metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+import sys
+from importlib import metadata
+from typing import Any
+
+from temoe import __version__, recipes
+from temoe.maxtext import config as temoe_config
+
+MAXTEXT_VERSION = "0.2.5"
+"""The MaxText release whose internals these seams were written against."""
+
+class TemoeSeamError(RuntimeError):
+  """The installed MaxText is not one temoe can hook."""
+
+
+def _maxtext_modules():
+  from maxtext.configs import pyconfig, types  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+
+  return pyconfig, types, moe, max_utils
+
+
+def check_maxtext() -> None:
+  """Fails with one clear message unless the installed MaxText has every seam temoe hooks."""
+  try:
+    installed = metadata.version("maxtext")
+  except metadata.PackageNotFoundError as exc:
+    raise TemoeSeamError(f"temoe needs MaxText {MAXTEXT_VERSION} (pip install maxtext=={MAXTEXT_VERSION}).") from exc
+  if installed != MAXTEXT_VERSION:
+    raise TemoeSeamError(
+        f"temoe hooks MaxText {MAXTEXT_VERSION} internals, but maxtext {installed} is installed; "
+        f"install maxtext=={MAXTEXT_VERSION}."
+    )
+  pyconfig, types, moe, max_utils = _maxtext_modules()
+  missing = []
+  if "config_class" not in inspect.signature(pyconfig.initialize).parameters:
+    missing.append("pyconfig.initialize(config_class=...)")
+  for field in ("te_moe_block", "te_gmm_quantization", *temoe_config.LIFTED_TE_MOE_RESTRICTIONS):
+    if field not in types.MaxTextConfig.model_fields:
+      missing.append(f"MaxTextConfig.{field}")
+  if not callable(getattr(moe.RoutedMoE, "_te_moe_block", None)):
+    missing.append("RoutedMoE._te_moe_block")
+  if not callable(getattr(max_utils, "maybe_bootstrap_te_moe", None)):
+    missing.append("max_utils.maybe_bootstrap_te_moe")
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
+
+  if not callable(getattr(metric_logger, "record_activation_metrics", None)):
+    missing.append("metric_logger.record_activation_metrics")
+  if missing:
+    raise TemoeSeamError(f"MaxText {installed} lacks the seams temoe hooks: {', '.join(missing)}.")
+
+
+def describe_block(config, mesh) -> str:
+  """One line saying which temoe backend and recipe compute the MoE layers of this run."""
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+
+  plat = hardware.detect()
+  backend = recipes.resolve_backend(config.te_moe_backend, config.te_gmm_quantization, plat)
+  why = "" if backend == "te" else f": reference backend, {plat.describe()}" if not plat.te_usable else ""
+  return (
+      f"temoe {__version__}: te_moe_block=true -> temoe MoE block, backend {backend}{why}, "
+      f"recipe {config.te_gmm_quantization}, {mesh.devices.size} device(s), no NCCL-EP bootstrap."
+  )
+
+
+def _temoe_block(self, inputs, gate_kernel, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding=None):
+  """Replaces RoutedMoE._te_moe_block: the same arguments, computed by temoe's block."""
+  del gate_kernel  # temoe routes through the layer's own GateLogit (its dtype, score function and bias)
+  from temoe.moe import block  # pylint: disable=import-outside-toplevel
+
+  return block.run(self, inputs, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding)
+
+
+def use_packaged_assets() -> None:
+  """Points MaxText at the assets its pip wheel ships (tokenizers), not at a source checkout's path.
+
+  MaxText 0.2.5 derives MAXTEXT_ASSETS_ROOT from a repo layout a pip install lacks; its
+  environment variable of that name is the documented override, read once at import.
+  """
+  if "MAXTEXT_ASSETS_ROOT" in os.environ or "maxtext.utils.globals" in sys.modules:
+    return
+  spec = importlib.util.find_spec("maxtext")
+  for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
+    if os.path.isdir(os.path.join(root, "assets", "tokenizers")):
+      os.environ["MAXTEXT_ASSETS_ROOT"] = os.path.join(root, "assets")
+      return
+
+
+_installed: dict[str, Any] = {}
+
+
+def install() -> None:
+  """Installs the four seams once; a second call changes nothing."""
+  if _installed:
+    return
+  use_packaged_assets()
+  check_maxtext()
+  pyconfig, _, moe, max_utils = _maxtext_modules()
+  from maxtext.utils import max_logging  # pylint: disable=import-outside-toplevel
+
+  config_class = temoe_config.temoe_config_class()
+  original_initialize = pyconfig.initialize
+  original_bootstrap = max_utils.maybe_bootstrap_te_moe
+
+  @functools.wraps(original_initialize)
+  def initialize(argv=None, config_class=config_class, **kwargs):
+    return original_initialize(argv, config_class=config_class, **kwargs)
+
+  def maybe_bootstrap_te_moe(config, mesh, shaped_batch):
+    """temoe's block needs no eager NCCL-EP bootstrap, so MaxText's is skipped; says what runs."""
+    del shaped_batch
+    if config.te_moe_block:
+      max_logging.log(describe_block(config, mesh))
+
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
+
+  original_record = metric_logger.record_activation_metrics
+
+  @functools.wraps(original_record)
+  def record_activation_metrics(output_metrics, intermediate_outputs, config):
+    original_record(output_metrics, intermediate_outputs, config)
+    from temoe.maxtext import metrics  # pylint: disable=import-outside-toplevel
+
+    metrics.record(output_metrics, intermediate_outputs, config)
+
+  _installed.update(
+      initialize=original_initialize, te_moe_block=moe.RoutedMoE._te_moe_block, bootstrap=original_bootstrap
+  )
+  pyconfig.initialize = initialize
+  moe.RoutedMoE._te_moe_block = _temoe_block  # pylint: disable=protected-access
+  max_utils.maybe_bootstrap_te_moe = maybe_bootstrap_te_moe
+  metric_logger.record_activation_metrics = record_activation_metrics
+  train_module = sys.modules.get("maxtext.trainers.pre_train.train")  # imported it by name already
+  if train_module is not None:
+    train_module.record_activation_metrics = record_activation_metrics
+
+
+def is_installed() -> bool:
+  return bool(_installed)

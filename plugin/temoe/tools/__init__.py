@@ -1,0 +1,1 @@
+"""Offline tools: model shapes, FLOPs/MFU, trace breakdown, run reports, the HBM plan."""

@@ -1,0 +1,206 @@
+"""`temoe plan <config.yml> [key=value ...]`: per-device HBM estimate of a training run, and whether
+it fits, before anything is launched. Exit code 0: fits; 1: does not fit; 2: bad input.
+
+The config is built by MaxText's pyconfig exactly as `temoe train` builds it, for the device count
+of the target (MaxText's internal_compile_num_devices sets it without the devices), and estimated by
+`temoe.tools.hbm` on an abstract mesh: nothing is compiled or allocated, so a GPU run plans on a laptop.
+Without a GPU here, temoe's recipe checks see the GPU named by --gpu (an H200 unless told).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+from typing import Any
+
+GPUS = {  # --gpu: device kind, compute capability, nominal HBM (GiB)
+    "h100": ("NVIDIA H100 80GB HBM3", (9, 0), 80.0),
+    "h200": ("NVIDIA H200", (9, 0), 141.0),
+    "b200": ("NVIDIA B200", (10, 0), 180.0),
+    "gb200": ("NVIDIA GB200", (10, 0), 186.0),
+}
+STAND_IN_CUBLAS = (13, 4, 0)  # what a current NGC JAX image loads; only temoe's recipe checks read it
+
+
+class PlanInputError(ValueError):
+  """Arguments `temoe plan` cannot plan for; exit code 2."""
+
+
+TOLERANCE = 0.15
+"""How far an estimate may be from a measured peak (tests, bench/plan_check.py)."""
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+  parser = argparse.ArgumentParser(prog="temoe plan", description=__doc__.splitlines()[0])
+  parser.add_argument("config", help="MaxText config YAML (as for temoe train)")
+  parser.add_argument("--hbm-gib", type=float, help="device memory to fit in (default: this GPU's, else --gpu's)")
+  parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
+  parser.add_argument("--slices", type=int, help="slices of the run (MaxText's num_slices; a GPU node is one)")
+  parser.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="target GPU when this host has none")
+  args, rest = parser.parse_known_args(argv)
+  bad = [a for a in rest if "=" not in a or a.startswith("-")]
+  if bad:
+    raise PlanInputError(f"unknown arguments {' '.join(bad)}; pass MaxText settings as key=value")
+  if not args.config.endswith((".yml", ".yaml")) or not os.path.isfile(args.config):
+    raise PlanInputError(f"{args.config} is not a config YAML file")
+  if args.hbm_gib is not None and not args.hbm_gib > 0:
+    raise PlanInputError(f"--hbm-gib={args.hbm_gib} must be a positive number of GiB")
+  for flag in ("devices", "slices"):
+    if getattr(args, flag) is not None and getattr(args, flag) < 1:
+      raise PlanInputError(f"--{flag}={getattr(args, flag)} must be at least 1")
+  if args.slices:
+    rest.append(f"num_slices={args.slices}")
+  return args, rest
+
+
+def build_config(path: str, overrides: list[str], devices: int | None = None):
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  fixed = ["skip_jax_distributed_system=true", "log_config=false", "enable_checkpointing=false"]
+  if devices:
+    fixed += ["internal_compile=true", f"internal_compile_num_devices={devices}"]
+  return pyconfig.initialize(["temoe plan", path, *overrides, *fixed])
+
+
+def explicit_devices(config) -> int:
+  """Devices the config's mesh names explicitly (each -1 axis counts 1)."""
+  return math.prod(max(int(p), 1) for p in [*config.ici_parallelism, *config.dcn_parallelism])
+
+
+def abstract_mesh(config, devices: int):
+  """The config's mesh over `devices` devices, filled as MaxText fills it, without devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+
+  slices = max(config.num_slices, 1)
+  ici = max_utils.fill_unspecified_mesh_axes(list(config.ici_parallelism), devices // slices, "ICI")
+  dcn = max_utils.fill_unspecified_mesh_axes(list(config.dcn_parallelism), slices, "DCN")
+  return jax.sharding.AbstractMesh(tuple(int(a * b) for a, b in zip(ici, dcn)), tuple(config.mesh_axes))
+
+
+def target(gpu: str, hbm_gib: float | None):
+  """(platform temoe's checks see, HBM GiB to fit in, where that number comes from)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+
+  local = hardware.detect()
+  if local.device_platform == "gpu":
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    where = "--hbm-gib" if hbm_gib else f"{local.device_kind}: XLA's allocator limit in this environment"
+    return local, hbm_gib or (limit / 2**30 if limit else None), where
+  kind, cc, gib = GPUS[gpu]
+  stand_in = hardware.Platform("gpu", kind, cc, "stand-in", None, STAND_IN_CUBLAS)
+  where = "--hbm-gib" if hbm_gib else f"no GPU here: {kind}'s nominal {gib:g} GiB (--gpu, --hbm-gib)"
+  return stand_in, hbm_gib or gib, where
+
+
+@contextlib.contextmanager
+def platform_seen_as(seen):
+  """temoe's recipe checks judge `seen` (the target GPU) while the config is built."""
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+
+  detect = hardware.detect
+  hardware.detect = lambda: seen
+  try:
+    yield
+  finally:
+    hardware.detect = detect
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  config: Any
+  mesh: Any
+  backend: str
+  estimate: Any  # temoe.tools.hbm.Estimate
+  hbm_gib: float | None
+  hbm_source: str
+
+
+def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: str = "h200",
+              hbm_gib: float | None = None) -> Plan:
+  """Builds the config for the target (this host's GPU, else `gpu`) and estimates it."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  import temoe  # pylint: disable=import-outside-toplevel
+  from temoe.tools import hbm  # pylint: disable=import-outside-toplevel
+  from temoe import recipes  # pylint: disable=import-outside-toplevel
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  here = hardware.detect()
+  seen, hbm_gib, where = target(gpu, hbm_gib)
+  with platform_seen_as(seen):
+    config = build_config(path, overrides)
+  if not str(config.hardware).startswith("gpu"):  # a CPU run is planned for this host
+    seen = here
+  count = devices or max(explicit_devices(config), jax.device_count() if seen is here else 1)
+  with platform_seen_as(seen):
+    config = build_config(path, overrides, count)
+  if config.te_moe_block:
+    backend = recipes.resolve_backend(config.te_moe_backend, str(config.te_gmm_quantization), seen)
+  else:  # MaxText's own MoE: a grouped-GEMM kernel, or ragged_dot as temoe's xla backend
+    backend = "gmm" if config.megablox or config.use_tokamax_gmm else "xla"
+  try:
+    mesh = abstract_mesh(config, count)
+  except AssertionError as exc:  # MaxText's own check of the mesh against the device count
+    raise PlanInputError(f"the config's mesh cannot span {count} device(s): {exc}") from exc
+  return Plan(config, mesh, backend, hbm.estimate(config, mesh, backend, seen.device_platform), hbm_gib, where)
+
+
+def table(p: Plan) -> str:
+  """The estimate as a table, in GiB (MiB below 1 GiB) per device."""
+  config, mesh, est = p.config, p.mesh, p.estimate
+  unit, size = ("GiB", 2**30) if est.peak >= 2**30 else ("MiB", 2**20)
+  axes = " ".join(f"{k}={v}" for k, v in dict(mesh.shape).items() if v > 1) or "no parallel axes"
+  block = f"MaxText's MoE ({'grouped GEMM' if p.backend == 'gmm' else 'ragged_dot'})"
+  if config.te_moe_block:
+    block = f"temoe {p.backend} backend, {config.te_gmm_quantization}"
+  rows = [("component", f"{unit}/device", "")]
+  rows += [(part.name, f"{part.bytes / size:.2f}", part.note) for part in est.resident]
+  rows += [(part.name + (" <- peak" if part is est.transient else ""), f"{part.bytes / size:.2f}", part.note)
+           for part in est.layers]
+  rows += [("peak estimate", f"{est.peak / size:.2f}", "resident rows + the largest transient (<- peak)")]
+  if est.host:
+    rows += [("(on host, not HBM)", f"{est.host / size:.2f}", "state MaxText offloads to pinned host memory")]
+  rows += [("device HBM", f"{p.hbm_gib * 2**30 / size:.2f}", p.hbm_source)]
+  width = max(len(r[0]) for r in rows)
+  head = (f"temoe plan: {config.model_name}, {mesh.size} device(s) ({axes}), {block}, "
+          f"batch {config.per_device_batch_size}/device x {config.max_target_length} tokens, "
+          f"remat {config.remat_policy}")
+  return "\n".join([head] + [f"  {name:<{width}}  {value:>10}  {note}" for name, value, note in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning on a GPU takes none of its memory
+  try:
+    args, overrides = parse(argv)
+    p = make_plan(args.config, overrides, args.devices, args.gpu, args.hbm_gib)
+  except SystemExit as exc:  # argparse: usage already printed
+    return 2 if exc.code else 0
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    from temoe import cli  # pylint: disable=import-outside-toplevel
+
+    message = str(exc) if isinstance(exc, PlanInputError) else cli.config_error_message(exc)
+    if message is None:
+      raise
+    print(f"temoe plan: {message}", file=sys.stderr)
+    return 2
+  if not p.hbm_gib:
+    print("temoe plan: cannot read this GPU's memory; pass --hbm-gib", file=sys.stderr)
+    return 2
+  print(table(p))
+  peak = p.estimate.peak / 2**30
+  fits = peak <= p.hbm_gib
+  verdict = "fits" if fits else "does not fit"
+  print(f"{verdict}: {peak:.2f} GiB estimated of {p.hbm_gib:.2f} GiB ({peak / p.hbm_gib:.0%})")
+  return 0 if fits else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

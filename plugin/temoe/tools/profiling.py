@@ -1,0 +1,357 @@
+"""`temoe profile <config.yml> [key=value ...]`: a few training steps under MaxText's own profiler
+(`profiler=xplane`), and the step time split into attention, router, dispatch, experts (grouped
+GEMMs), combine, collectives, optimizer, other and idle, read from the trace.
+
+Each device op in the trace names its HLO instruction; the HLO module stored in the trace (read with
+xprof) gives the instruction's opcode and its JAX op_name, which holds the named scopes of the code
+that emitted it. Collectives are classified by opcode; everything else by the innermost temoe scope
+in its op_name: temoe_router/_dispatch/_experts/_combine (the MoE block's own), and, in the
+profiling process only, the same names around MaxText's native MoE methods (GateLogit, get_topk,
+permute, unpermute, the rest of sparse_matmul) plus temoe_attention (its attention layers) and
+temoe_optimizer (gradient clipping, optimizer update): MaxText 0.2.5 names no scopes there. The
+persistent compilation cache is off for the run: its key ignores op metadata, so a cached
+executable would carry names from another compile.
+Ops that overlap (CPU threads, GPU streams) share their time; collectives count only while no
+compute op runs (exposed communication), so the categories add up to the device's step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import glob
+import json
+import os
+import re
+import statistics
+import sys
+
+from temoe.tools import flops
+
+SCOPES = {
+    "temoe_attention": "attention",
+    "temoe_router": "router",
+    "temoe_dispatch": "dispatch",
+    "temoe_experts": "experts",
+    "temoe_combine": "combine",
+    "temoe_optimizer": "optimizer",
+}
+CATEGORIES = ("attention", "router", "dispatch", "experts", "combine", "collectives", "optimizer", "other", "idle")
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops", "Framework Name Scope",
+                 "XLA TraceMe")
+"""Timelines xprof derives from the kernels (copies of their time): left out where a trace holds them."""
+CONTAINERS = ("while", "conditional", "call")
+"""Control flow whose events span the ops it runs (on other threads too): their time is the children's."""
+COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
+_SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
+
+
+def _scoped(fn, name: str):
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    import jax  # pylint: disable=import-outside-toplevel
+
+    with jax.named_scope(name):
+      return fn(*args, **kwargs)
+
+  wrapper.temoe_scope = name
+  return wrapper
+
+
+def scope_maxtext() -> None:
+  """Names MaxText's attention, MoE stages and optimizer step (op metadata only: numerics unchanged)."""
+  import temoe  # pylint: disable=import-outside-toplevel
+
+  temoe.register()  # first: it points MaxText at its packaged assets before MaxText is imported
+  from maxtext.common import train_state_nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.layers import attention_mla, attentions, moe  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  for owner, attr, scope in (
+      (attentions.Attention, "__call__", "temoe_attention"),
+      (attention_mla.MLA, "__call__", "temoe_attention"),
+      # MaxText's own MoE (te_moe_block=false), so its breakdown compares with temoe's block
+      (moe.RoutedMoE, "sparse_matmul", "temoe_experts"),
+      (moe.GateLogit, "__call__", "temoe_router"),
+      (moe.RoutedMoE, "get_topk", "temoe_router"),
+      (moe.RoutedMoE, "permute", "temoe_dispatch"),
+      (moe.RoutedMoE, "local_permute", "temoe_dispatch"),
+      (moe.RoutedMoE, "unpermute", "temoe_combine"),
+      (train_state_nnx.TrainStateNNX, "apply_gradients", "temoe_optimizer"),
+      (maxtext_utils, "apply_gradient_clipping", "temoe_optimizer"),
+  ):
+    fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
+    if not hasattr(fn, "temoe_scope"):
+      setattr(owner, attr, _scoped(fn, scope))
+
+
+def classify(op_name: str, opcode: str, hlo_op: str = "") -> str:
+  """Category of one HLO instruction: collectives by opcode (or name), else its innermost scope."""
+  for kind in (opcode, re.sub(r"\.\d+$", "", hlo_op)):
+    if kind.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
+      return "collectives"
+  scopes = _SCOPE.findall(op_name)
+  return SCOPES[scopes[-1]] if scopes else "other"
+
+
+def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
+  """instruction name -> (opcode, op_name) from an HLO module's text (with metadata)."""
+  out = {}
+  for line in hlo_text.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      meta = _OP_NAME.search(line)
+      out[m.group(1)] = (m.group(2), meta.group(1) if meta else "")
+  return out
+
+
+def hlo_modules(xplane: str) -> dict[str, dict[str, tuple[str, str]]]:
+  """'module(program_id)' -> its instructions, for the HLO modules xprof finds in the trace."""
+  from xprof.convert import raw_to_tool_data  # pylint: disable=import-outside-toplevel
+
+  raw_to_tool_data.xspace_to_tool_names([xplane])  # writes <module>(<id>).hlo_proto.pb beside it
+  out = {}
+  for path in glob.glob(os.path.join(os.path.dirname(xplane), "*.hlo_proto.pb")):
+    name = os.path.basename(path).removesuffix(".hlo_proto.pb")
+    options = {"module_name": name, "type": "long_txt", "node_name": "", "show_metadata": 1}
+    text, _ = raw_to_tool_data.xspace_to_tool_data([xplane], "graph_viewer", {"graph_viewer_options": options})
+    out[name] = hlo_instructions(text.decode() if isinstance(text, bytes) else text or "")
+  return out
+
+
+def device_ops(xplane: str) -> dict[str, list[tuple]]:
+  """device -> [(start_ns, end_ns, line, module, program_id, run_id, hlo_op)] of the XLA ops.
+
+  GPU traces: the /device:GPU:n planes (kernels; the host's thunk launches are left out).
+  CPU traces: the /host:CPU plane's thunks, one device per `device_ordinal`.
+  """
+  from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+
+  planes = list(ProfileData.from_file(xplane).planes)
+  gpus = [p for p in planes if p.name.startswith("/device:GPU")]
+  out = collections.defaultdict(list)
+  for plane in gpus or [p for p in planes if p.name == "/host:CPU"]:
+    for i, line in enumerate(plane.lines):
+      if line.name in DERIVED_LINES:
+        continue
+      for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" in stats and "hlo_module" in stats:
+          device = plane.name if gpus else f"cpu:{stats.get('device_ordinal', 0)}"
+          program = stats.get("program_id")
+          out[device].append((event.start_ns, event.end_ns, f"{plane.name}#{i}", str(stats["hlo_module"]),
+                              None if program is None else str(program), stats.get("run_id"), str(stats["hlo_op"])))
+  return out
+
+
+def progress(items, desc: str):
+  """tqdm where installed, else a plain stderr counter (long traces, many plots)."""
+  try:
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+
+    yield from tqdm(items, desc=desc, file=sys.stderr)
+  except ImportError:
+    for i, item in enumerate(items):
+      print(f"\r{desc}: {i + 1}/{len(items)}", end="", file=sys.stderr, flush=True)
+      yield item
+    print(file=sys.stderr)
+
+
+def _leaf_segments(events):
+  """Cuts events nested on one line (a thunk around its children): only the innermost one runs."""
+  out, stack = [], []  # stack entries: [resume time, end, key]
+
+  def close(upto):
+    while stack and stack[-1][1] <= upto:
+      resume, end, key = stack.pop()
+      if end > resume:
+        out.append((resume, end, key))
+      if stack:
+        stack[-1][0] = max(stack[-1][0], end)
+
+  for start, end, key in sorted(events, key=lambda e: (e[0], -e[1])):
+    close(start)
+    if stack:
+      if start > stack[-1][0]:
+        out.append((stack[-1][0], start, stack[-1][2]))
+      stack[-1][0] = max(stack[-1][0], start)
+    stack.append([start, end, key])
+  close(float("inf"))
+  return out
+
+
+def attribute(segments, is_collective) -> dict:
+  """Time (ns) per key over all lines: concurrent compute shares an instant equally; collectives
+  get an instant only when no compute runs; instants with nothing running are idle."""
+  points = sorted([(s, 1, k) for s, _, k in segments] + [(e, -1, k) for _, e, k in segments], key=lambda p: p[:2])
+  active, spent, last = collections.Counter(), collections.defaultdict(float), None
+  for t, delta, key in points:
+    if last is not None and t > last and active:
+      compute = [k for k in active if not is_collective(k)]
+      share = compute or list(active)
+      weight = sum(active[k] for k in share)
+      for k in share:
+        spent[k] += (t - last) * active[k] / weight
+    active[key] += delta
+    if active[key] == 0:
+      del active[key]
+    last = t
+  return spent
+
+
+def _device_breakdown(ops, modules, steps):
+  """(steps, ns per step by category and by op, op -> (category, op_name, found in HLO)) for one device."""
+  n = len({op[5] for op in ops if op[5] is not None}) or steps or 1
+  info, lines = {}, collections.defaultdict(list)
+  for start, end, line, mod, program, _, hlo_op in ops:
+    hlo = modules.get(f"{mod}({program})") or next((v for k, v in modules.items() if k.startswith(mod + "(")), {})
+    opcode, op_name = hlo.get(hlo_op, ("", ""))
+    if opcode not in CONTAINERS:
+      info[(mod, hlo_op)] = (classify(op_name, opcode, hlo_op), op_name, hlo_op in hlo)
+      lines[line].append((start, end, (mod, hlo_op)))
+  segments = [seg for events in lines.values() for seg in _leaf_segments(events)]
+  spent = {k: ns / n for k, ns in attribute(segments, lambda k: info[k][0] == "collectives").items()}
+  totals = collections.defaultdict(float)
+  for key, ns in spent.items():
+    totals[info[key][0]] += ns
+    totals["unmatched"] += 0.0 if info[key][2] else ns
+  totals["idle"] = (max(op[1] for op in ops) - min(op[0] for op in ops)) / n - sum(spent.values())
+  totals["collectives_total"] = sum(e - s for s, e, k in segments if info[k][0] == "collectives") / n
+  return n, totals, spent, info
+
+
+def breakdown(xplane: str, steps: int | None = None, module: str = "train_step") -> dict:
+  """Per-step ms by category (averaged over devices), from one .xplane.pb of a training run."""
+  modules, per_device = hlo_modules(xplane), device_ops(xplane)
+  names = collections.Counter(op[3] for ops in per_device.values() for op in ops)
+  wanted = {m for m in names if module in m} or ({names.most_common(1)[0][0]} if names else set())
+  totals, top, info, seen = collections.defaultdict(float), collections.defaultdict(float), {}, []
+  for ops in progress(list(per_device.values()), "temoe profile: devices"):
+    ops = [op for op in ops if op[3] in wanted]
+    if ops:
+      n, device_totals, spent, device_info = _device_breakdown(ops, modules, steps)
+      seen.append(n)
+      info.update(device_info)
+      for key, ns in device_totals.items():
+        totals[key] += ns / 1e6
+      for key, ns in spent.items():
+        top[key] += ns / 1e6
+  devices = max(len(seen), 1)
+  ms = {c: totals[c] / devices for c in CATEGORIES}
+  step_ms = sum(ms.values())
+  return {
+      "trace": xplane,
+      "modules": sorted(wanted),
+      "devices": len(seen),
+      "steps": seen[0] if seen else 0,
+      "step_ms": step_ms,
+      "ms_per_step": ms,
+      "share": {c: (v / step_ms if step_ms else 0.0) for c, v in ms.items()},
+      "collectives_total_ms": totals["collectives_total"] / devices,  # exposed or hidden under compute
+      "unmatched_ms": totals["unmatched"] / devices,  # ops whose HLO instruction the trace did not hold
+      "top_ops": [
+          {"hlo_op": k[1], "category": info[k][0], "ms_per_step": v / devices, "op_name": info[k][1]}
+          for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:20]
+      ],
+  }
+
+
+def latest_trace(path: str) -> str:
+  """The newest .xplane.pb at or under `path` (a run directory, a profile directory, or the file)."""
+  if path.endswith(".xplane.pb"):
+    return path
+  found = glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True)
+  if not found:
+    raise FileNotFoundError(f"temoe profile: no .xplane.pb under {path}")
+  return max(found, key=os.path.getmtime)
+
+
+def table(result: dict) -> str:
+  lines = [f"{'category':<12} {'ms/step':>10} {'share':>7}"]
+  for c in CATEGORIES:
+    lines.append(f"{c:<12} {result['ms_per_step'][c]:>10.3f} {100 * result['share'][c]:>6.1f}%")
+  lines.append(f"{'step':<12} {result['step_ms']:>10.3f} {100.0:>6.1f}%")
+  return "\n".join(lines)
+
+
+def _maxtext_step_ms(metrics_file: str, first: int, count: int) -> float | None:
+  if not os.path.exists(metrics_file):
+    return None
+  rows = [json.loads(line) for line in open(metrics_file, encoding="utf-8") if line.strip()]
+  times = [r["perf/step_time_seconds"] for r in rows if first <= r["step"] < first + count]
+  return 1e3 * statistics.median(times) if times else None
+
+
+def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: int, gpu: str | None) -> dict:
+  """Trains `skip + steps` steps of `config` in this process with the last `steps` traced."""
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+
+  out = os.path.abspath(out)
+  os.makedirs(out, exist_ok=True)  # MaxText opens metrics_file in it without creating it
+  args = [config, *overrides, f"base_output_directory={os.path.dirname(out)}", f"run_name={os.path.basename(out)}",
+          "profiler=xplane", f"skip_first_n_steps_for_profiler={skip}", f"profiler_steps={steps}",
+          f"steps={skip + steps}", "profile_cleanly=true", f"metrics_file={os.path.join(out, 'metrics.jsonl')}"]
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_gpu_enable_command_buffer" not in flags:  # kernels replayed from CUDA graphs may lose their HLO op
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+  import jax  # pylint: disable=import-outside-toplevel
+
+  jax.config.update("jax_enable_compilation_cache", False)  # its key ignores op metadata: scopes would be lost
+  scope_maxtext()
+  rc = cli.train(args)
+  if rc:
+    raise SystemExit(rc)
+  result = breakdown(latest_trace(out), steps)
+  result["maxtext_step_ms"] = _maxtext_step_ms(os.path.join(out, "metrics.jsonl"), skip, steps)
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  count = flops.summary(pyconfig.initialize(["profile", *args]), hardware.detect().device_kind, gpu)
+  achieved = count["model_tflops_per_step_per_device"] / (result["step_ms"] / 1e3)
+  count["model_tflops_per_s_per_device"] = achieved
+  count["mfu"] = achieved / count["peak_tflops"] if count["peak_tflops"] else None
+  result.update(command=" ".join(["temoe", "profile", config, *overrides]), flops=count)
+  return result
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="temoe profile", description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser.add_argument("config", nargs="?", help="MaxText config (.yml); or use --trace")
+  parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
+  parser.add_argument("--out", default=None, help="run directory (default runs/profile-<config>)")
+  parser.add_argument("--skip", type=int, default=3, help="steps before the trace (compilation, warm-up)")
+  parser.add_argument("--steps", type=int, default=3, help="steps traced")
+  parser.add_argument("--gpu", choices=sorted(k.lower() for k in flops.PEAK_TFLOPS),
+                      help="peak table row for MFU (default: from the device)")
+  parser.add_argument("--trace", help="only analyse this run directory or .xplane.pb")
+  args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+  if args.trace:
+    result = breakdown(latest_trace(args.trace), args.steps)
+    out = args.out or os.path.dirname(latest_trace(args.trace))
+  elif args.config and args.config.endswith((".yml", ".yaml")):
+    name = os.path.splitext(os.path.basename(args.config))[0]
+    out = args.out or os.path.join("runs", f"profile-{name}")
+    result = profile_run(args.config, args.overrides, out, args.skip, args.steps, args.gpu)
+  else:
+    parser.print_usage(sys.stderr)
+    return 2
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "profile.json"), "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+  print(f"temoe profile: {result['steps']} step(s) of {', '.join(result['modules'])} on {result['devices']} device(s)")
+  print(table(result))
+  if result["unmatched_ms"] > 0.05 * result["step_ms"]:
+    print(f"warning: {result['unmatched_ms']:.3f} ms/step of ops had no HLO instruction in the trace: counted as other")
+  if "flops" in result:
+    f = result["flops"]
+    mfu = f"{100 * f['mfu']:.1f}% of {f['gpu']} peak {f['peak_tflops']:.0f}" if f["mfu"] is not None else "n/a"
+    print(f"model TFLOP/s/device {f['model_tflops_per_s_per_device']:.4g}, MFU {mfu}")
+  print(f"wrote {os.path.join(out, 'profile.json')}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

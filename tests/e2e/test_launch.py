@@ -1,0 +1,213 @@
+"""`temoe launch`: the docker run, the sbatch script and the JobSet that one job description renders.
+
+Overrides with spaces, quotes, $(...), backticks and newlines must reach `temoe train` verbatim and
+never run: the sbatch script and the `docker run` line are executed by bash against stand-in
+`srun`, `scontrol` and `docker` that record the argv they receive; the docker SDK's own conversion
+checks the container request; the JobSet is validated against its schema and Kubernetes' own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import referencing
+import yaml
+
+from temoe.run import distributed
+
+from temoe.deploy import launch
+
+NASTY = ["run_name=a b", "x=$(touch PWNED)", "y=`touch PWNED`", "q='\"\\", "z=;|&<>*?~#{}!$HOME", "n=two\nlines"]
+ENV = {"TEMOE_NASTY": "$(touch PWNED) `touch PWNED` 'q\" $HOME"}
+
+
+def job(**kw) -> launch.Job:
+  return launch.Job(**{"config": "configs/deepseek3-671b-h100x1024.yml", "overrides": NASTY, "env": ENV,
+                       "image": "nvcr.io/acme/temoe:1", "mounts": ["/lustre/data:/data:ro", "/lustre/runs:/runs"],
+                       "name": "ds3", "nodes": 2, "gpus_per_node": 8, "workdir": "/lustre/jobs", **kw})
+
+
+@pytest.fixture
+def recorder(tmp_path):
+  """A bin/ of stand-ins (srun, scontrol, docker) that log argv and TEMOE_NASTY; exit $FAKE_RC."""
+  bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
+  bin_dir.mkdir()
+  for name in ("srun", "scontrol", "docker"):
+    tool = bin_dir / name
+    tool.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"with open({str(log)!r}, 'a') as f:\n"
+        f"  f.write(json.dumps({{'tool': {name!r}, 'argv': sys.argv[1:], 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')\n"
+        f"sys.exit(int(os.environ.get('FAKE_RC', '0')))\n"
+    )
+    tool.chmod(0o755)
+  venv = tmp_path / "venv" / "bin"
+  venv.mkdir(parents=True)
+  (venv / "activate").write_text("")
+
+  def run(script: str, **env) -> tuple[int, list[dict]]:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", **env}
+    rc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=full, timeout=60).returncode
+    calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
+    log.unlink(missing_ok=True)
+    assert not list(tmp_path.rglob("PWNED")), "an override was executed by a shell"
+    return rc, calls
+
+  run.venv = str(tmp_path / "venv")
+  return run
+
+
+def sbatch_options(script: str) -> dict:
+  return dict(l[len("#SBATCH --"):].partition("=")[::2] for l in script.splitlines() if l.startswith("#SBATCH --"))
+
+
+def test_slurm_pyxis_runs_one_task_per_gpu_with_overrides_verbatim(recorder):
+  script = launch.sbatch_script(job())
+  options = sbatch_options(script)
+  assert options["nodes"] == "2" and options["ntasks-per-node"] == "8" and options["gpus-per-node"] == "8"
+  assert "requeue" in options and options["chdir"] == "/lustre/jobs"
+  rc, calls = recorder(script)
+  assert rc == 0 and [c["tool"] for c in calls] == ["srun"]
+  argv = calls[0]["argv"]
+  assert argv[:5] == ["--container-image=nvcr.io/acme/temoe:1", "--container-mounts=/lustre/data:/data:ro,/lustre/runs:/runs",
+                      "python3", "-m", "temoe.deploy.entrypoint"]  # the image's entrypoint: env profile for the GPU
+  assert argv[5:] == ["train", "configs/deepseek3-671b-h100x1024.yml", *NASTY, "hardware=gpu_multiprocess"]
+  assert calls[0]["env"] == ENV["TEMOE_NASTY"]
+
+
+def test_slurm_virtualenv_jobs(recorder):
+  script = launch.sbatch_script(job(image=None, venv=recorder.venv, gpus_per_node=0, tasks_per_node=2, nodes=1))
+  options = sbatch_options(script)
+  assert options["ntasks-per-node"] == "2" and "gpus-per-node" not in options
+  rc, calls = recorder(script)
+  assert rc == 0 and calls[0]["argv"] == ["temoe", "train", "configs/deepseek3-671b-h100x1024.yml", *NASTY]
+  rc, calls = recorder(launch.sbatch_script(job(image=None, venv=recorder.venv)))  # GPUs: the profile's entrypoint
+  assert rc == 0 and calls[0]["argv"] == ["python", "-m", "temoe.deploy.entrypoint", "train",
+                                          "configs/deepseek3-671b-h100x1024.yml", *NASTY, "hardware=gpu_multiprocess"]
+
+
+def test_slurm_requeues_a_failed_run_until_max_restarts(recorder):
+  script = launch.sbatch_script(job(max_restarts=2))
+  rc, calls = recorder(script, FAKE_RC="3", SLURM_RESTART_COUNT="1")
+  assert rc == 3 and [(c["tool"], c["argv"]) for c in calls][1:] == [("scontrol", ["requeue", "7"])]
+  rc, calls = recorder(script, FAKE_RC="3", SLURM_RESTART_COUNT="2")
+  assert rc == 3 and [c["tool"] for c in calls] == ["srun"]  # out of restarts: fails for good
+
+
+def test_slurm_submit_calls_sbatch(tmp_path, recorder, monkeypatch, capsys):
+  sbatch = tmp_path / "bin" / "sbatch"
+  sbatch.write_text(f"#!{sys.executable}\nimport sys\nprint('42;cluster')\nopen({str(tmp_path / 'sbatch.argv')!r}, 'w').write(repr(sys.argv[1:]))\n")
+  sbatch.chmod(0o755)
+  monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+  assert launch.main(["slurm", "--submit", "--workdir", str(tmp_path / "jobs"), "--name", "ds3", "--image", "img",
+                      "cfg.yml", *NASTY]) == 0
+  assert capsys.readouterr().out.strip() == "42"
+  script = tmp_path / "jobs" / "ds3.sbatch"
+  assert (tmp_path / "sbatch.argv").read_text() == repr(["--parsable", str(script)])
+  assert "'x=$(touch PWNED)'" in script.read_text()
+
+
+def test_docker_request_through_the_docker_sdk():
+  from docker.models.containers import _create_container_args  # pylint: disable=import-outside-toplevel
+
+  kwargs = launch.docker_run_kwargs(job(nodes=1))
+  create = _create_container_args({**kwargs, "version": "1.45"})  # what containers.run sends the engine
+  host = create["host_config"]
+  assert create["image"] == "nvcr.io/acme/temoe:1"
+  assert create["command"] == ["train", "configs/deepseek3-671b-h100x1024.yml", *NASTY, "hardware=gpu"]
+  assert host["IpcMode"] == "host"
+  assert [(r["Count"], r["Capabilities"]) for r in host["DeviceRequests"]] == [(-1, [["gpu"]])]
+  assert {u["Name"]: (u["Soft"], u["Hard"]) for u in host["Ulimits"]} == {"memlock": (-1, -1),
+                                                                         "stack": (2**26, 2**26)}
+  assert host["Binds"] == ["/lustre/data:/data:ro", "/lustre/runs:/runs:rw"]
+  assert create["environment"] == ENV
+
+
+def test_docker_dry_run_line_is_copy_paste_safe(recorder, capsys):
+  assert launch.main(["docker", "--dry-run", "--image", "img", "--gpus-per-node", "8", "--mount", "/a b:/data",
+                      "--env", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "cfg.yml", *NASTY]) == 0
+  line = capsys.readouterr().out.strip()
+  rc, calls = recorder(line)  # pasted into bash
+  assert rc == 0
+  assert calls[0]["argv"] == ["run", "--rm", "--name", "temoe", "--gpus", "all", "--ipc", "host",
+                              "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864:67108864", "-v", "/a b:/data:rw",
+                              "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
+  assert shlex.split(line) == ["docker", *calls[0]["argv"]]
+
+
+def jobset_validator():
+  schemas = pathlib.Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+  strict = sorted(schemas.glob("v*-local-strict"), key=lambda p: [int(x) for x in p.name[1:].split("-")[0].split(".")])[-1]
+  core = referencing.Resource.from_contents(json.loads((strict / "_definitions.json").read_text()))
+  schema = json.loads((pathlib.Path(__file__).parents[1] / "schemas" / "jobset-v1alpha2.json").read_text())
+  return jsonschema.Draft202012Validator(schema, registry=core @ referencing.Registry())
+
+
+def test_jobset_manifest_is_valid_and_passes_overrides_verbatim():
+  manifest = yaml.safe_load(launch.jobset_manifest(job()))
+  validator = jobset_validator()
+  validator.validate(manifest)
+  jobs = manifest["spec"]["replicatedJobs"]
+  spec = jobs[0]["template"]["spec"]
+  assert len(jobs) == 1 and jobs[0]["replicas"] == 1
+  assert spec["completionMode"] == "Indexed" and spec["parallelism"] == spec["completions"] == 2
+  pod = spec["template"]["spec"]
+  container = pod["containers"][0]
+  assert container["image"] == "nvcr.io/acme/temoe:1" and "command" not in container  # the image's entrypoint
+  unescape = lambda s: s.replace("$$", "$")  # Kubernetes turns $$ into $ and expands nothing else escaped
+  assert [unescape(a) for a in container["args"]] == ["train", "configs/deepseek3-671b-h100x1024.yml", *NASTY,
+                                                      "hardware=gpu"]
+  assert "$(touch" not in " ".join(container["args"]).replace("$$(", "")
+  env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+  assert env["JAX_COORDINATOR_IP"] == "ds3-workers-0-0.ds3" and env["NNODES"] == "2"
+  assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+  assert unescape(env["TEMOE_NASTY"]) == ENV["TEMOE_NASTY"]
+  assert manifest["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "ds3"}
+  assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+  volumes = {v["name"]: v for v in pod["volumes"]}
+  mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+  assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+  assert volumes[mounts["/data"]]["hostPath"] == {"path": "/lustre/data"}
+
+
+def test_the_jobset_schema_rejects_what_kubernetes_would():
+  validator = jobset_validator()
+  manifest = yaml.safe_load(launch.jobset_manifest(job()))
+  pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+  pod["containers"][0]["argz"] = pod["containers"][0].pop("args")  # a typo Kubernetes' strict schema knows
+  with pytest.raises(jsonschema.ValidationError):
+    validator.validate(manifest)
+  manifest = yaml.safe_load(launch.jobset_manifest(job()))
+  manifest["spec"]["replicatedJob"] = manifest["spec"].pop("replicatedJobs")
+  with pytest.raises(jsonschema.ValidationError):
+    validator.validate(manifest)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["docker", "--dry-run", "--image", "i", "--nodes", "2", "c.yml"], "one host"),
+    (["docker", "--dry-run", "c.yml"], "needs --image"),
+    (["k8s", "--image", "i", "--name", "Bad_Name", "c.yml"], "JobSet name"),
+    (["k8s", "--image", "i", "--mount", "/only-one-side", "c.yml"], "HOST:CONTAINER"),
+    (["slurm", "--env", "A;B=1", "c.yml"], "not a valid name"),
+    (["slurm", "--workdir", "/a b", "c.yml"], "whitespace"),
+])
+def test_bad_job_descriptions_get_one_clear_error(argv, message, capsys):
+  assert launch.main(argv) == 2
+  assert message in capsys.readouterr().err
+
+
+def test_distributed_joins_only_multi_task_slurm_steps():
+  step = {"SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n1", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+  assert distributed.slurm_tasks(step) == 2
+  assert distributed.slurm_tasks({k: v for k, v in step.items() if k != "SLURM_STEP_NODELIST"}) == 0  # sbatch, no srun
+  assert not distributed.maybe_initialize({**step, "SLURM_NTASKS": "1"})

@@ -1,0 +1,117 @@
+"""Every config in configs/ passes MaxText's own validation on the cluster it is written for.
+
+Each check runs tests/config_check.py in a fresh process that simulates the cluster's device count,
+lets temoe's recipe checks see the target GPU, validates through MaxText's pyconfig, and lays
+MaxText's mesh over the cluster's GPUs (one slice per node, as XLA reports GPUs): the mesh must
+hold exactly the cluster's GPUs. The 671B presets must hold DeepSeek-V3's 671B parameters with
+37B active per token, counted from their shapes by temoe.tools.model_size, which must itself agree with
+the parameter tree MaxText builds.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, SMOKE, maxtext_config
+from temoe.tools import model_size
+
+CONFIGS = ROOT / "configs"
+MAXTEXT_CONFIGS = pathlib.Path(__import__("maxtext").__file__).parent / "configs"
+
+
+def check(config, *overrides: str, nodes: int = 1, gpus_per_node: int = 1, gpu: str | None = None,
+          slices: int | None = None) -> dict:
+  cmd = [sys.executable, str(ROOT / "tests" / "config_check.py"), str(config), "--nodes", str(nodes),
+         "--gpus-per-node", str(gpus_per_node), *(["--gpu", gpu] if gpu else []),
+         *(["--slices", str(slices)] if slices else []), *overrides]
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  lines = [l for l in done.stdout.splitlines() if l.startswith("CONFIG_CHECK ")]
+  assert lines, done.stderr[-3000:]
+  return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def mesh_of(result: dict) -> dict:
+  assert "error" not in result, result["error"]
+  return {axis: size for axis, size in result["mesh"].items() if size > 1}
+
+
+PRESETS = [  # config, nodes, GPUs per node, GPU, slices the runtime reports, hardware, mesh
+    ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 64, "gpu_multiprocess", {"fsdp": 4, "expert": 64}),
+    ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 4, "gpu", {"fsdp": 4, "expert": 64}),  # NVL72 racks
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu_multiprocess", {"fsdp": 16, "expert": 64}),
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu", {"fsdp": 16, "expert": 64}),
+]
+
+
+@pytest.mark.parametrize("name,nodes,gpus,gpu,slices,hardware,mesh", PRESETS)
+def test_671b_preset_fills_its_cluster_and_is_deepseek_v3(name, nodes, gpus, gpu, slices, hardware, mesh):
+  result = check(CONFIGS / name, f"hardware={hardware}", nodes=nodes, gpus_per_node=gpus, gpu=gpu, slices=slices)
+  assert mesh_of(result) == mesh
+  assert result["mesh_devices"] == result["distinct_devices"] == result["num_target_devices"] == nodes * gpus
+  assert result["global_batch"] == nodes * gpus * result["keys"]["per_device_batch_size"]
+  assert result["total_params"] == pytest.approx(671e9, rel=0.01)
+  assert result["active_params"] == pytest.approx(37e9, rel=0.03)
+  assert result["keys"]["te_moe_block"] and result["keys"]["remat_policy"] == "custom"
+  assert {"moe_mlpwi_0", "moe_mlpwi_1"} <= set(result["offloaded"])  # host-offload remat of the experts
+  assert result["keys"]["te_gmm_quantization"] == {"gb200": "te_mxfp8", "h100": "te_fp8_current"}[gpu]
+
+
+def test_a_preset_on_the_wrong_gpu_or_cluster_is_rejected():
+  wrong_gpu = check(CONFIGS / "deepseek3-671b-gb200x256.yml", nodes=64, gpus_per_node=4, gpu="h100")
+  assert "te_mxfp8 needs Blackwell" in wrong_gpu["error"]
+  too_few = check(CONFIGS / "deepseek3-671b-h100x1024.yml", nodes=8, gpus_per_node=8, gpu="h100")
+  assert too_few["error"].startswith("mesh:")  # DCN FSDP 16 cannot fit 8 nodes
+
+
+def test_one_node_proxy_fills_8_gpus():
+  result = check(CONFIGS / "deepseek3-proxy-8gpu.yml", nodes=1, gpus_per_node=8, gpu="h100")
+  assert mesh_of(result) == {"expert": 8}
+  assert result["mesh_devices"] == result["distinct_devices"] == result["num_target_devices"] == 8
+  assert result["keys"]["num_experts"] // 8 == 256 // 64  # experts per GPU as in the 671B presets
+
+
+def test_1gpu_proxy_is_the_benchmarks_proxy():
+  sys.path.insert(0, str(ROOT / "bench"))
+  import proxy_1gpu  # pylint: disable=import-outside-toplevel
+
+  ours = check(CONFIGS / "deepseek3-proxy-1gpu.yml", gpu="h100")
+  assert ours["mesh_devices"] == ours["num_target_devices"] == 1
+  flags = [*proxy_1gpu.PROXY, *proxy_1gpu.PATHS["temoe_fp8"]]
+  bench = check(MAXTEXT_CONFIGS / "base.yml", *flags, gpu="h100")
+  shape = ["emb_dim", "num_query_heads", "mlp_dim", "moe_mlp_dim", "num_decoder_layers", "first_num_dense_layers",
+           "num_experts", "num_experts_per_tok", "shared_experts", "q_lora_rank", "kv_lora_rank", "vocab_size"]
+  keys = [f.split("=")[0] for f in flags if f.split("=")[0] not in ("model_name", "override_model_config",
+                                                                     "te_moe_backend", "base_num_decoder_layers")]
+  differ = {k: (ours["keys"].get(k), bench["keys"].get(k)) for k in shape + keys if ours["keys"].get(k) != bench["keys"].get(k)}
+  assert not differ
+  assert ours["total_params"] == bench["total_params"]
+
+
+def test_cpu_smoke_config_validates_on_one_cpu_device():
+  result = check(SMOKE)
+  assert mesh_of(result) == {} and result["mesh_devices"] == result["num_target_devices"] == 1
+  assert result["keys"]["te_moe_block"] and result["keys"]["hardware"] == "cpu"
+
+
+def test_proxy_shape_is_maxtexts_deepseek_v3_but_depth_and_experts():
+  ours = yaml.safe_load((CONFIGS / "models" / "deepseek3-proxy.yml").read_text())
+  maxtext = yaml.safe_load((MAXTEXT_CONFIGS / "models" / "deepseek3-671b.yml").read_text())
+  cut = {"base_num_decoder_layers", "first_num_dense_layers", "num_experts"}
+  assert ours.keys() == maxtext.keys()
+  assert {k: v for k, v in ours.items() if k not in cut} == {k: v for k, v in maxtext.items() if k not in cut}
+
+
+@pytest.mark.parametrize("model", ["deepseek3-smoke", "deepseek3-671b", "deepseek3-proxy"])
+def test_parameter_count_equals_maxtexts_parameter_tree(model):
+  from maxtext.utils import max_utils, maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  overrides = [] if model == "deepseek3-smoke" else [f"model_name={model}", "override_model_config=true"]
+  config = maxtext_config(*overrides)
+  abstract = maxtext_utils.get_abstract_param(model_creation_utils.from_config(config), config)  # shapes only
+  assert model_size.count(config).total == max_utils.calculate_num_params_from_pytree(abstract["params"])

