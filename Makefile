@@ -31,6 +31,7 @@ train: venv
 	$(PY) -m temoe.tools.summary runs/$(RUN)/metrics.jsonl
 
 test: venv
+	$(VENV)/bin/ruff check plugin tests bench
 	$(PY) -m pytest tests
 
 clean:
@@ -38,9 +39,10 @@ clean:
 
 IMAGE ?= temoe:dev
 BASE_IMAGE ?= ghcr.io/nvidia/jax:maxtext-2026-09-10
-image:   # needs a Docker engine (none here or in CI)
-	docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VCS_REF=$$(git rev-parse --short HEAD) -t $(IMAGE) .
+BUILD_ARGS ?=  # e.g. --build-arg TE_VERSION=base, --build-arg TE_CUDA_MAJOR=12 (Dockerfile's header lists them)
+image:   # needs a Docker engine (none here or in CI); the build ends with `temoe doctor --image`
+	docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VCS_REF=$$(git rev-parse --short HEAD) $(BUILD_ARGS) -t $(IMAGE) .
 
 image-smoke: image   # a GPU host with the NVIDIA container toolkit
-	docker run --rm --gpus all $(IMAGE) doctor
-	docker run --rm --gpus all --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 $(IMAGE) train /opt/temoe/configs/deepseek3-smoke.yml hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 te_gmm_quantization=te_fp8_current base_output_directory=/tmp/runs steps=10
+	launch/docker-run.sh $(IMAGE) doctor
+	launch/docker-run.sh $(IMAGE) train /opt/temoe/configs/deepseek3-smoke.yml hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 te_gmm_quantization=te_fp8_current base_output_directory=/tmp/runs steps=10

@@ -12,18 +12,19 @@ import json
 import os
 import pathlib
 import shlex
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import jsonschema
 import kubernetes_validate
 import pytest
 import referencing
 import yaml
-
-from temoe.run import distributed
-
+from conftest import ROOT
 from temoe.deploy import launch
+from temoe.run import distributed
 
 NASTY = ["run_name=a b", "x=$(touch PWNED)", "y=`touch PWNED`", "q='\"\\", "z=;|&<>*?~#{}!$HOME", "n=two\nlines"]
 ENV = {"TEMOE_NASTY": "$(touch PWNED) `touch PWNED` 'q\" $HOME"}
@@ -57,7 +58,7 @@ def recorder(tmp_path):
     path = tmp_path / "job.sh"
     path.write_text(script)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", **env}
-    rc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=full, timeout=60).returncode
+    rc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=full, timeout=60, check=False).returncode
     calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     log.unlink(missing_ok=True)
     assert not list(tmp_path.rglob("PWNED")), "an override was executed by a shell"
@@ -102,6 +103,8 @@ def test_slurm_requeues_a_failed_run_until_max_restarts(recorder):
   assert rc == 3 and [(c["tool"], c["argv"]) for c in calls][1:] == [("scontrol", ["requeue", "7"])]
   rc, calls = recorder(script, FAKE_RC="3", SLURM_RESTART_COUNT="2")
   assert rc == 3 and [c["tool"] for c in calls] == ["srun"]  # out of restarts: fails for good
+  rc, calls = recorder(script, FAKE_RC="2", SLURM_RESTART_COUNT="0")
+  assert rc == 2 and [c["tool"] for c in calls] == ["srun"]  # refused before compiling: never requeued
 
 
 def test_slurm_submit_calls_sbatch(tmp_path, recorder, monkeypatch, capsys):
@@ -139,15 +142,61 @@ def test_docker_dry_run_line_is_copy_paste_safe(recorder, capsys):
   line = capsys.readouterr().out.strip()
   rc, calls = recorder(line)  # pasted into bash
   assert rc == 0
-  assert calls[0]["argv"] == ["run", "--rm", "--name", "temoe", "--gpus", "all", "--ipc", "host",
-                              "--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864:67108864", "-v", "/a b:/data:rw",
-                              "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
+  assert calls[0]["argv"] == ["run", "--rm", "--name", "temoe", "-v", "/a b:/data:rw", "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}",
+                              "--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1:-1",
+                              "--ulimit", "stack=67108864:67108864", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
   assert shlex.split(line) == ["docker", *calls[0]["argv"]]
+  wrapper = ["bash", str(ROOT / "launch" / "docker-run.sh"), "--name", "temoe", "-v", "/a b:/data:rw",
+             "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
+  rc, by_hand = recorder(shlex.join(wrapper))  # launch/docker-run.sh, as a user runs it: the same docker run
+  assert rc == 0 and by_hand[0]["argv"] == calls[0]["argv"]
+  rc, _ = recorder(shlex.join([*wrapper[:2], "--gpus", "2", "img"]))
+  assert rc == 2
+
+
+def test_launchers_render_from_the_top_level_launch_folder():
+  assert launch.TEMPLATES.resolve() == ROOT / "launch"  # plugin/temoe/deploy/templates links to it
+  assert {"sbatch.sh.j2", "jobset.yaml.j2", launch.DOCKER_RUN, "README.md"} <= {p.name for p in launch.TEMPLATES.iterdir()}
+  assert launch.docker_flags() == ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1:-1",
+                                   "--ulimit", "stack=67108864:67108864"]
+  with pytest.raises(ValueError, match="not one temoe maps"):
+    launch._docker_options(["--privileged", "true"], gpus=True)  # pylint: disable=protected-access
+
+
+def test_a_pip_installed_temoe_renders_the_same_launch_files(tmp_path):
+  """A wheel built from this checkout carries launch/ as package data; `python -m temoe launch`
+  from that install writes exactly what the checkout renders."""
+  src = tmp_path / "src"  # a copy: building in the checkout would leave build/ and egg-info there
+  src.mkdir()
+  for name in ("pyproject.toml", "README.md"):
+    shutil.copy(ROOT / name, src / name)
+  ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+  shutil.copytree(ROOT / "plugin", src / "plugin", symlinks=True, ignore=ignore)
+  shutil.copytree(ROOT / "launch", src / "launch", ignore=ignore)
+  pip = [sys.executable, "-m", "pip", "-q"]
+  subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+  wheel = next((tmp_path / "dist").glob("temoe-*.whl"))
+  with zipfile.ZipFile(wheel) as whl:
+    shipped = {pathlib.PurePosixPath(n).name: whl.read(n) for n in whl.namelist() if n.startswith("temoe/deploy/templates/")}
+  assert shipped == {p.name: p.read_bytes() for p in (ROOT / "launch").iterdir()}
+  site = tmp_path / "site"
+  subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300)
+  argv = ["launch", "slurm", "--image", "nvcr.io/acme/temoe:1", "--nodes", "2", "--workdir", "/lustre/jobs",
+          "--mount", "/lustre/runs:/runs", "cfg.yml", *NASTY]
+  run = subprocess.run([sys.executable, "-c", "import temoe, sys; print(temoe.__file__, file=sys.stderr)"],
+                       env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True, check=True)
+  assert run.stderr.strip() == str(site / "temoe" / "__init__.py")
+  run = subprocess.run([sys.executable, "-m", "temoe", *argv], env={**os.environ, "PYTHONPATH": str(site)},
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert run.returncode == 0, run.stderr
+  assert run.stdout == launch.sbatch_script(launch.parse(argv[1:])[1])
+  assert subprocess.run([sys.executable, "-m", "temoe", "--help"], capture_output=True, text=True,
+                        check=False).stdout.startswith("usage: temoe <command>")
 
 
 def jobset_validator():
   schemas = pathlib.Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
-  strict = sorted(schemas.glob("v*-local-strict"), key=lambda p: [int(x) for x in p.name[1:].split("-")[0].split(".")])[-1]
+  strict = max(schemas.glob("v*-local-strict"), key=lambda p: [int(x) for x in p.name[1:].split("-")[0].split(".")])
   core = referencing.Resource.from_contents(json.loads((strict / "_definitions.json").read_text()))
   schema = json.loads((pathlib.Path(__file__).parents[1] / "schemas" / "jobset-v1alpha2.json").read_text())
   return jsonschema.Draft202012Validator(schema, registry=core @ referencing.Registry())
@@ -193,17 +242,56 @@ def test_the_jobset_schema_rejects_what_kubernetes_would():
     validator.validate(manifest)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["docker", "--dry-run", "--image", "i", "--nodes", "2", "c.yml"], "one host"),
-    (["docker", "--dry-run", "c.yml"], "needs --image"),
-    (["k8s", "--image", "i", "--name", "Bad_Name", "c.yml"], "JobSet name"),
-    (["k8s", "--image", "i", "--mount", "/only-one-side", "c.yml"], "HOST:CONTAINER"),
-    (["slurm", "--env", "A;B=1", "c.yml"], "not a valid name"),
-    (["slurm", "--workdir", "/a b", "c.yml"], "whitespace"),
-])
-def test_bad_job_descriptions_get_one_clear_error(argv, message, capsys):
+BAD_JOBS = [  # argv -> the one line `temoe launch` prints (exit 2), before anything is rendered
+    (["docker", "--dry-run", "--image", "i", "--nodes", "2", "c.yml"],
+     "`temoe launch docker` runs on one host; use slurm or k8s for --nodes > 1"),
+    (["docker", "--dry-run", "c.yml"], "`temoe launch docker` needs --image"),
+    (["k8s", "--image", "i", "--name", "Bad_Name", "c.yml"],
+     "--name 'Bad_Name': a JobSet name is lowercase letters, digits and '-' (at most 40)"),
+    (["k8s", "--image", "i", "--mount", "/only-one-side", "c.yml"], "--mount '/only-one-side' is not HOST:CONTAINER[:ro|rw]"),
+    (["slurm", "--env", "A;B=1", "c.yml"], "environment variable name 'A;B' is not a valid name"),
+    (["slurm", "--workdir", "/a b", "c.yml"], "#SBATCH values cannot hold whitespace: '/a b'"),
+    *[([launcher, "--image", "i", "--nodes", n, "c.yml"], f"--nodes {n}: must be at least 1")
+      for launcher in ("slurm", "k8s") for n in ("0", "-1")],
+    (["docker", "--dry-run", "--image", "i", "--nodes", "0", "c.yml"], "--nodes 0: must be at least 1"),
+    *[([launcher, "--image", "i", "--gpus-per-node", "-1", "c.yml"], "--gpus-per-node -1: must be at least 0 (0: a CPU job)")
+      for launcher in ("slurm", "k8s")],
+    (["docker", "--dry-run", "--image", "i", "--gpus-per-node", "-8", "c.yml"],
+     "--gpus-per-node -8: must be at least 0 (0: a CPU job)"),
+    (["slurm", "--tasks-per-node", "0", "c.yml"], "--tasks-per-node 0: must be at least 1"),
+    *[([launcher, "--image", "i", "--max-restarts", "-1", "c.yml"],
+       "--max-restarts -1: must be at least 0 (0: never requeue or restart)") for launcher in ("slurm", "k8s")],
+    *[([launcher, "--image", "i", "--mount", spec, "c.yml"], f"--mount {spec!r}: {side} {path!r} must be an absolute path")
+      for launcher in ("docker", "slurm", "k8s")
+      for spec, side, path in (("data:/data", "HOST", "data"), ("/data:data", "CONTAINER", "data"),
+                               ("./runs:/runs:ro", "HOST", "./runs"))],
+    (["slurm", "--image", "i", "--mount", "/a,b:/data", "c.yml"], "--mount '/a,b:/data': a pyxis mount cannot hold ','"),
+    (["docker", "--dry-run", "--image", "", "c.yml"],
+     "--image is empty: give an image name, or leave --image out (Slurm: a virtualenv)"),
+    (["slurm", "", "c.yml"], "the config path is empty: give the MaxText YAML the job runs"),
+    (["docker", "--dry-run", "--image", "i", "--name", "a b", "c.yml"],
+     "--name 'a b': letters, digits, '_', '.' and '-', starting with a letter or digit"),
+    (["slurm", "--image", "i", "--venv", "/v", "c.yml"],
+     "--venv is for `temoe launch slurm` without --image; with an image the job runs in it"),
+]
+
+
+@pytest.mark.parametrize("argv,line", BAD_JOBS, ids=[" ".join(a) for a, _ in BAD_JOBS])
+def test_bad_job_descriptions_get_one_clear_line(argv, line, capsys):
   assert launch.main(argv) == 2
-  assert message in capsys.readouterr().err
+  out, err = capsys.readouterr()
+  assert (out, err) == ("", f"temoe launch: {line}\n")
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["slurm", "--nodes", "two", "c.yml"], "argument --nodes: invalid int value: 'two'"),
+    (["swarm", "c.yml"], "argument launcher: invalid choice: 'swarm' (choose from 'docker', 'slurm', 'k8s')"),
+])
+def test_unparseable_arguments_get_one_line_too(argv, line, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    launch.main(argv)
+  assert exit_.value.code == 2
+  assert capsys.readouterr().err == f"temoe launch: {line} (see `temoe launch --help`)\n"
 
 
 def test_distributed_joins_only_multi_task_slurm_steps():

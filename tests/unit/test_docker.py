@@ -16,11 +16,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
-from temoe.deploy import entrypoint
-
-from temoe.deploy import env
+from temoe.deploy import entrypoint, env, stack
+from temoe.maxtext import seams
 
 DOCKERFILE = ROOT / "Dockerfile"
 SMI_OUTPUTS = {  # what `nvidia-smi --query-gpu=compute_cap --format=csv,noheader` prints -> the profile's arch
@@ -38,17 +36,49 @@ def generated_block(text: str) -> str:
   return text[start:text.index(env.DOCKERFILE_END) + len(env.DOCKERFILE_END)]
 
 
-def baked_env() -> dict[str, str]:
-  """The variables the Dockerfile's generated ENV instruction sets, read as Docker reads them."""
+BASE_XLA_FLAGS = " --xla_gpu_enable_latency_hiding_scheduler=true"
+"""What NVIDIA's JAX images bake (JAX-Toolbox Dockerfile.jax: ENV XLA_FLAGS="${XLA_FLAGS} --xla_...")."""
+
+
+def baked_env(base: dict[str, str] | None = None) -> dict[str, str]:
+  """The variables the Dockerfile's generated ENV instructions set over a base image's `base`, read
+  as Docker reads them (`${NAME}` is the base's value, empty if it has none)."""
   block = generated_block(DOCKERFILE.read_text()).replace("\\\n", " ")
-  instruction = next(line for line in block.splitlines() if line.startswith("ENV "))
-  return dict(word.split("=", 1) for word in shlex.split(instruction[4:]))
+  out = dict(base or {})
+  for line in block.splitlines():
+    if line.startswith("ENV "):
+      expanded = re.sub(r"\$\{(\w+)\}", lambda m: out.get(m.group(1), ""), line[4:])
+      out.update(word.split("=", 1) for word in shlex.split(expanded))
+  return out
 
 
 def test_generated_env_block_is_the_profile():
   assert generated_block(DOCKERFILE.read_text()) == env.dockerfile_block(), \
       "Dockerfile drifted from temoe.deploy.env: run `python -m temoe.deploy.env --write-dockerfile Dockerfile`"
-  assert baked_env() == env.environment(None)  # every GPU's share of the profile, nothing else
+  baked, profile = baked_env(), env.environment(None)
+  assert baked["XLA_FLAGS"].split() == profile.pop("XLA_FLAGS").split()  # a base without XLA_FLAGS
+  assert {k: v for k, v in baked.items() if k != "XLA_FLAGS"} == profile  # every GPU's share, nothing else
+
+
+def test_a_base_images_xla_flags_are_kept_under_the_profile_and_the_users_win(tmp_path):
+  base = {"XLA_FLAGS": f"{BASE_XLA_FLAGS} --xla_gpu_enable_triton_gemm=false"}  # one the profile lacks
+  baked = baked_env(base)
+  assert baked["XLA_FLAGS"].startswith(base["XLA_FLAGS"] + " ")
+  profile_flags = env.xla_flag_names(env.environment("hopper")["XLA_FLAGS"])
+  image = {name: value for name, value in baked.items() if name != "XLA_FLAGS"}
+  got = json.loads(run_entrypoint(tmp_path, SMI_OUTPUTS["h100x2"][0], {"XLA_FLAGS": baked["XLA_FLAGS"]}, base=image).stdout)
+  assert env.xla_flag_names(got["XLA_FLAGS"]) == profile_flags | {"xla_gpu_enable_triton_gemm"}
+  in_force = {s.name: v for s, v in env.in_force("hopper", got)}
+  assert all(in_force[s.name] == s.value for s in env.settings("hopper")), in_force  # the profile's, merged
+  user = "--xla_gpu_enable_latency_hiding_scheduler=false --xla_gpu_all_gather_combine_threshold_bytes=7"
+  got = json.loads(run_entrypoint(tmp_path, SMI_OUTPUTS["h100x2"][0], {"XLA_FLAGS": user}, base=image).stdout)
+  assert got["XLA_FLAGS"].startswith(user + " ") and env.xla_flag_names(got["XLA_FLAGS"]) == profile_flags
+  in_force = {s.name: v for s, v in env.in_force("hopper", got)}
+  assert (in_force["xla_gpu_enable_latency_hiding_scheduler"], in_force["xla_gpu_all_gather_combine_threshold_bytes"]) \
+      == ("false", "7")
+  shown = subprocess.run([sys.executable, "-m", "temoe", "env", "--arch", "hopper", "--format", "json"], env={
+      **image, "XLA_FLAGS": baked["XLA_FLAGS"], "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True)
+  assert json.loads(shown.stdout)["env"]["XLA_FLAGS"] == baked["XLA_FLAGS"].strip()  # nothing to add or drop
 
 
 def test_generator_rewrites_only_the_marked_block(tmp_path):
@@ -74,8 +104,9 @@ def test_hadolint_is_clean(tmp_path):
   assert hadolint(bad).returncode != 0 and "DL3013" in hadolint(bad).stdout
 
 
-def run_entrypoint(tmp_path, smi: str | None, extra: dict[str, str] | None = None, command=None):
-  """`python -m temoe.deploy.entrypoint` with the image's baked ENV and a stand-in nvidia-smi (None: none on PATH)."""
+def run_entrypoint(tmp_path, smi: str | None, extra: dict[str, str] | None = None, command=None, base=None):
+  """`python -m temoe.deploy.entrypoint` with the image's baked ENV (over `base`, a base image's)
+  and a stand-in nvidia-smi (None: none on PATH)."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(exist_ok=True)
   if smi is not None:
@@ -83,7 +114,7 @@ def run_entrypoint(tmp_path, smi: str | None, extra: dict[str, str] | None = Non
     (bin_dir / "nvidia-smi").chmod(0o755)
   dump = "import json, os; print(json.dumps(dict(os.environ)))"
   command = command or [sys.executable, "-c", dump]
-  container_env = {**baked_env(), "PATH": f"{bin_dir}:/usr/bin:/bin", **(extra or {})}
+  container_env = {**(baked_env() if base is None else base), "PATH": f"{bin_dir}:/usr/bin:/bin", **(extra or {})}
   return subprocess.run([sys.executable, "-m", "temoe.deploy.entrypoint", *command], env=container_env,
                         capture_output=True, text=True, timeout=60, check=False)
 
@@ -115,7 +146,7 @@ def test_in_the_container_what_the_user_set_wins(tmp_path):
 
 def test_default_command_is_temoe_train_and_subcommands_need_no_temoe(tmp_path):
   text = DOCKERFILE.read_text()
-  exec_form = {k: json.loads(v) for k, v in re.findall(r"^(ENTRYPOINT|CMD) (\[.*\])$", text, re.M)}
+  exec_form = {k: json.loads(v) for k, v in re.findall(r"^(ENTRYPOINT|CMD) (\[.*\])$", text, re.MULTILINE)}
   assert exec_form == {"ENTRYPOINT": ["python3", "-m", "temoe.deploy.entrypoint"], "CMD": entrypoint.DEFAULT_COMMAND}
   assert entrypoint.command([])[:3] == ["temoe", "train", "/opt/temoe/configs/deepseek3-smoke.yml"]
   assert entrypoint.command(["train", "c.yml", "steps=5"]) == ["temoe", "train", "c.yml", "steps=5"]
@@ -141,17 +172,35 @@ def dockerignored(path: str, patterns: list[str]) -> bool:
 
 def test_build_context_is_what_the_dockerfile_copies_and_no_secrets():
   patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
-  tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+  tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split()
   secrets = [".env", "id_rsa", "secrets/gcp-key.json", ".netrc", "configs/.env", "plugin/tls.key",
              "runs/r/metrics.jsonl", ".venv/bin/python", "plugin/temoe/__pycache__/env.cpython-312.pyc", "plugin/temoe.egg-info/PKG-INFO"]
   sent = {p for p in tracked + secrets if not dockerignored(p, patterns)}
-  copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), re.M)
+  copied = re.findall(r"^COPY (.+) \S+$", DOCKERFILE.read_text(), re.MULTILINE)
   sources = [s for line in copied for s in line.split()]
-  assert sources == ["pyproject.toml", "README.md", "plugin", "configs"]
+  assert sources == ["pyproject.toml", "README.md", "plugin", "launch", "configs"]
   under = {s: {p for p in sent if p == s or p.startswith(s + "/")} for s in sources}
   assert all(under.values()) and set().union(*under.values()) == sent  # all that is copied, and only that
   assert not sent & set(secrets)
-  declared = re.findall(r"^(?:ARG|ENV) (\w+)", DOCKERFILE.read_text(), re.M)
+  declared = re.findall(r"^(?:ARG|ENV) (\w+)", DOCKERFILE.read_text(), re.MULTILINE)
   assert not [d for d in declared if re.search(r"TOKEN|SECRET|PASSW|API_KEY|CREDENTIAL", d)]
   labels = set(re.findall(r"org\.opencontainers\.image\.(\w+(?:\.\w+)?)=", DOCKERFILE.read_text()))
   assert {"title", "description", "version", "revision", "licenses", "base.name"} <= labels
+
+
+def dockerfile_args() -> dict[str, str]:
+  return dict(re.findall(r"^ARG (\w+)=(\S*)$", DOCKERFILE.read_text(), re.MULTILINE))
+
+
+def test_the_image_installs_the_pinned_stack_and_checks_it_before_it_exists():
+  args = dockerfile_args()
+  assert (args["MAXTEXT_VERSION"], args["TE_VERSION"]) == (seams.MAXTEXT_VERSION, stack.TE_VERSION)
+  suggested = set(re.findall(r"--build-arg (\w+)=", (ROOT / "plugin/temoe/deploy/stack.py").read_text()))
+  assert suggested and suggested <= set(args), suggested - set(args)  # every fix names a real ARG
+  runs = [r.replace("\\\n", " ") for r in re.findall(r"^RUN (.*?[^\\])$", DOCKERFILE.read_text(), re.MULTILINE | re.DOTALL)]
+  steps = [next(i for i, r in enumerate(runs) if word in r) for word in (
+      "pip uninstall -y maxtext", 'rm -rf "${MAXTEXT_SRC}"', '"maxtext==${MAXTEXT_VERSION}"',
+      '--no-build-isolation "transformer_engine_jax==${TE_VERSION}"', "temoe doctor --image")]
+  assert steps == sorted(steps) and steps[-1] == len(runs) - 1  # the check runs last, on the finished stack
+  assert "--without-te" not in runs[-1]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+import importlib.util
+import pathlib
 
+import pytest
 from conftest import run_temoe
-from temoe.deploy import doctor
-from temoe.deploy import env
+from temoe.deploy import doctor, env, stack
 from temoe.hardware import Platform
 
 H200 = Platform("gpu", "NVIDIA H200", (9, 0), "2.20.2", None, (13, 4, 0))
@@ -62,8 +63,8 @@ def test_profile_drift_names_the_setting_and_the_fix():
 
 
 def test_main_exit_code_follows_the_problems(monkeypatch, capsys):
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
   from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(hardware, "detect", lambda: B200)
   for name, value in env.environment("blackwell").items():
@@ -71,3 +72,171 @@ def test_main_exit_code_follows_the_problems(monkeypatch, capsys):
   assert doctor.main([]) == 0 and "ready: yes" in capsys.readouterr().out
   monkeypatch.setattr(seams, "MAXTEXT_VERSION", "9.9.9")
   assert doctor.main([]) == 1 and "problem: temoe hooks MaxText 9.9.9 internals" in capsys.readouterr().out
+
+
+# `temoe doctor --image`: the build-time check of the stack, here on the CPU venv's real MaxText and on
+# deliberately wrong stacks made of stub packages put first on PYTHONPATH.
+
+TE_NAMES = {  # what MaxText 0.2.5 and temoe import from Transformer Engine (module -> names defined there)
+    "transformer_engine.common.recipe": [],
+    "transformer_engine.jax": [],
+    "transformer_engine.jax.attention": ["ReorderStrategy", "SequenceDescriptor", "reorder_causal_load_balancing"],
+    "transformer_engine.jax.cpp_extensions": [],
+    "transformer_engine.jax.dense": ["grouped_dense"],
+    "transformer_engine.jax.ep": ["ep_bootstrap"],
+    "transformer_engine.jax.flax.transformer": ["DotProductAttention"],
+    "transformer_engine.jax.moe": ["moe", "get_moe_recv_capacity_per_rank", "record_ep_bootstrap_signature_for_moe"],
+    "transformer_engine.jax.quantize.quantizer": ["QuantizerFactory", "QuantizerSet", "ScalingMode", "noop_quantizer_set"],
+    "transformer_engine.jax.sharding": ["MeshResource", "global_shard_guard"],
+}
+PACKAGES = {"transformer_engine", "transformer_engine.common", "transformer_engine.common.recipe", "transformer_engine.jax",
+            "transformer_engine.jax.cpp_extensions", "transformer_engine.jax.flax", "transformer_engine.jax.quantize"}
+TE_FIX = "--build-arg TE_VERSION=2.20.2 (installs TE 2.20.2, its JAX extension built against this JAX)."
+
+
+def dist_info(root: pathlib.Path, name: str, version: str) -> None:
+  info = root / f"{name}-{version}.dist-info"
+  info.mkdir()
+  (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+
+
+def stub_te(root: pathlib.Path, version: str = "2.20.2", drop: str = "", parts: dict | None = None,
+            jax_init: str = "") -> pathlib.Path:
+  """A Transformer Engine made of stubs: every module and name of TE_NAMES except `drop`; the
+  quantize names behind a `from .quantizer import *`, as TE writes it."""
+  for module in sorted(PACKAGES | set(TE_NAMES)):
+    path = root.joinpath(*module.split("."))
+    path = path / "__init__.py" if module in PACKAGES else path.with_suffix(".py")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = [n for n in TE_NAMES.get(module, []) if f"{module}.{n}" != drop]
+    path.write_text("".join(f"def {n}(*args, **kwargs):\n  pass\n" for n in names))
+  (root / "transformer_engine/jax/quantize/__init__.py").write_text("from .quantizer import *  # noqa\n")
+  (root / "transformer_engine/jax/__init__.py").write_text(jax_init)
+  dist_info(root, "transformer_engine", version)
+  for name, v in (parts or {"transformer_engine_jax": version, "transformer_engine_cu13": version}).items():
+    dist_info(root, name, v)
+    if name == "transformer_engine_jax":
+      (root / "transformer_engine_jax.py").write_text("")
+  return root
+
+
+def image_check(*args, pythonpath=None):
+  run = run_temoe("doctor", "--image", *args, env={"PYTHONPATH": str(pythonpath)} if pythonpath else None, timeout=300)
+  problems = [line for line in run.stdout.splitlines() if line.startswith("temoe doctor --image: ")]
+  assert "Traceback" not in run.stdout + run.stderr, run.stderr[-3000:]
+  return run, problems
+
+
+def test_image_check_passes_on_this_cpu_venv():
+  run, problems = image_check("--without-te")
+  assert (run.returncode, problems) == (0, []), run.stdout
+  assert "  MaxText      0.2.5, " in run.stdout and "(wheel), base.yml as released" in run.stdout
+  assert "  seams        " in run.stdout and run.stdout.rstrip().endswith("stack: fits")
+  assert "inherit MaxText's base.yml" in dict(l.split(None, 1) for l in run.stdout.splitlines() if l.startswith("  "))["configs"]
+
+
+def test_a_base_yml_beside_temoes_configs_is_caught(tmp_path):
+  maxtext_configs = SITE_MAXTEXT.parent / "configs"
+  configs = tmp_path / "configs"
+  (configs / "offload").mkdir(parents=True)
+  (configs / "offload/preset.yml").write_text('base_config: "base.yml"\n')
+  (configs / "run.yml").write_text('base_config: "offload/preset.yml"\n')
+  result = stack.Result()
+  stack.check_configs(result, configs, maxtext_configs)
+  assert (result.problems, result.lines) == ([], [("configs", f"2 in {configs} inherit MaxText's base.yml")])
+  (configs / "offload/base.yml").write_text("steps: 1\n")  # MaxText's loader looks beside the config first
+  stack.check_configs(result, configs, maxtext_configs)
+  assert result.problems == [f"{configs / 'offload/preset.yml'} inherits {configs / 'offload/base.yml'}, not MaxText's "
+                             f"own {maxtext_configs / 'base.yml'}: a base.yml beside temoe's configs, or a "
+                             "base_config path, shadows it."]
+
+
+SITE_MAXTEXT = pathlib.Path(importlib.util.find_spec("maxtext").origin)
+
+
+@pytest.mark.parametrize("stack_kind", ["maxtext-0.3.0", "maxtext-checkout", "te-main"])
+def test_a_wrong_stack_fails_the_check_with_one_line_and_the_build_arg(stack_kind, tmp_path):
+  if stack_kind == "maxtext-0.3.0":  # what `pip install maxtext==0.2.5` over another version would leave, undone
+    (tmp_path / "maxtext").mkdir()
+    (tmp_path / "maxtext/__init__.py").write_text("")
+    dist_info(tmp_path, "maxtext", "0.3.0")
+    path, args = tmp_path, ["--without-te"]
+    want = "maxtext 0.3.0 is installed, temoe hooks MaxText 0.2.5: --build-arg MAXTEXT_VERSION=0.2.5."
+  elif stack_kind == "maxtext-checkout":  # the base's editable MaxText main, first on the path, metadata reading 0.2.5
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'maxtext'\n")
+    (tmp_path / "src/maxtext").mkdir(parents=True)
+    (tmp_path / "src/maxtext/__init__.py").write_text("")
+    path, args = tmp_path / "src", ["--without-te"]
+    want = (f"`import maxtext` loads {tmp_path}/src/maxtext/__init__.py, a source checkout, not the maxtext 0.2.5 "
+            f"wheel's {SITE_MAXTEXT}: --build-arg MAXTEXT_SRC={tmp_path} (the Dockerfile uninstalls and removes "
+            "that checkout).")
+  else:  # the base's TE main of August: MaxText 0.2.5's max_utils imports a name it lacks
+    path = stub_te(tmp_path, version="2.20.0.dev0", drop="transformer_engine.jax.moe.get_moe_recv_capacity_per_rank")
+    args = []
+    want = ("Transformer Engine 2.20.0.dev0 lacks what MaxText 0.2.5 and temoe import: "
+            f"transformer_engine.jax.moe.get_moe_recv_capacity_per_rank (MaxText utils/max_utils.py): {TE_FIX}")
+  run, problems = image_check(*args, pythonpath=path)
+  assert (run.returncode, problems) == (1, [f"temoe doctor --image: {want}"]), run.stdout
+  assert run.stdout.rstrip().endswith("stack: does not fit, see above")
+
+
+@pytest.fixture
+def on_path(monkeypatch, tmp_path):
+  """Puts a stub stack first on this process's path and its children's (the import check's)."""
+  def put(root: pathlib.Path) -> pathlib.Path:
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    return root
+  monkeypatch.delenv("CUDA_VERSION", raising=False)
+  put.tmp = tmp_path
+  return put
+
+
+@pytest.mark.parametrize("kind, problem, line", [
+    ("te-2.20.2", None, "2.20.2, defines the "),
+    ("base-te-newer", None, "2.21.0.dev0; temoe is tested against 2.20.2, defines the "),
+    ("mixed-parts", ("Transformer Engine's parts disagree: transformer_engine 2.20.2, transformer_engine_jax "
+                    f"2.20.0.dev0: {TE_FIX}"), None),
+    ("cu12-core-on-cuda-13", ("transformer_engine_cu12 2.20.2 is installed but this image's CUDA is 13.4.0: "
+                             "--build-arg TE_CUDA_MAJOR=13."), None),
+    ("no-jax-extension", f"Transformer Engine 2.20.2 has no JAX extension (transformer_engine_jax): {TE_FIX}", None),
+    ("extension-does-not-load", ("transformer_engine.jax does not import (ImportError: libcudnn.so.9: cannot open "
+                                f"shared object file): {TE_FIX}"), None),
+    ("no-driver-on-the-build-host", None, "2.20.2, defines the "),
+    ("no-te", f"Transformer Engine is not installed: {TE_FIX}", None),
+])
+def test_te_checks(kind, problem, line, on_path, monkeypatch):
+  tmp = on_path.tmp
+  if kind == "base-te-newer":
+    on_path(stub_te(tmp, version="2.21.0.dev0"))
+  elif kind == "mixed-parts":
+    on_path(stub_te(tmp, parts={"transformer_engine_jax": "2.20.0.dev0", "transformer_engine_cu13": "2.20.2"}))
+  elif kind == "cu12-core-on-cuda-13":
+    on_path(stub_te(tmp, parts={"transformer_engine_jax": "2.20.2", "transformer_engine_cu12": "2.20.2"}))
+    monkeypatch.setenv("CUDA_VERSION", "13.4.0")
+  elif kind == "no-jax-extension":
+    on_path(stub_te(tmp, parts={"transformer_engine_cu13": "2.20.2"}))
+  elif kind == "extension-does-not-load":
+    on_path(stub_te(tmp, jax_init="raise ImportError('libcudnn.so.9: cannot open shared object file')\n"))
+  elif kind == "no-driver-on-the-build-host":
+    on_path(stub_te(tmp, jax_init="raise OSError('libcuda.so.1: cannot open shared object file')\n"))
+  elif kind != "no-te":
+    on_path(stub_te(tmp))
+  result = stack.Result()
+  stack.check_te(result, SITE_MAXTEXT.parent)
+  assert result.problems == ([problem] if problem else [])
+  if line:
+    assert dict(result.lines)["TE"].startswith(line)
+    assert ("loads only with the NVIDIA driver" in " ".join(result.notes)) == (kind == "no-driver-on-the-build-host")
+
+
+def test_te_names_are_read_from_the_maxtext_and_temoe_sources():
+  wanted = stack.te_imports(SITE_MAXTEXT.parent)
+  assert wanted[("transformer_engine.jax.moe", "get_moe_recv_capacity_per_rank")] == ["utils/max_utils.py"]
+  import temoe  # pylint: disable=import-outside-toplevel
+
+  ours = stack.te_imports(pathlib.Path(temoe.__file__).parent)
+  assert ("transformer_engine.jax.dense", "grouped_dense") in ours
+  found = {(m, n) for m, n in {**wanted, **ours} if m != "transformer_engine_jax"}
+  stubbed = {(m.removesuffix(".quantizer"), n) for m, names in TE_NAMES.items() for n in names}
+  assert {k for k in found if k[1] is not None and k[1] not in ("moe", "recipe")} <= stubbed

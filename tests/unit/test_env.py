@@ -16,7 +16,6 @@ import types
 
 import pytest
 import yaml
-
 from conftest import ROOT, maxtext_config
 from temoe.deploy import env
 
@@ -96,7 +95,7 @@ def test_every_format_carries_the_same_environment(clean_env, capsys, arch, expl
   want = env.environment(arch)
   extra = ["--explain"] if explain else []
   shell = temoe_env(capsys, "--arch", arch, "--format", "shell", *extra)
-  dump = "import json, os; print(json.dumps({k: os.environ.get(k) for k in %r}))" % list(want)
+  dump = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {list(want)!r}}}))"
   evaluated = subprocess.run(["bash", "-c", f'{shell}\n"{sys.executable}" -c "$0"', dump], env={},
                              capture_output=True, text=True, check=True).stdout
   assert json.loads(evaluated) == want

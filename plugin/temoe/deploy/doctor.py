@@ -5,6 +5,7 @@ what TE's grouped GEMM needs, NCCL, MaxText and the seams temoe hooks, the envir
 then what to do about each problem. Exit 1 when a problem blocks a GPU run with the TE backend;
 warnings (a recipe that cannot run, a profile setting that is missing or overridden) do not.
 The checks reuse `temoe.hardware` and `temoe.maxtext.seams`; this module only reports.
+`temoe doctor --image` checks the installed stack instead, without a GPU (`temoe.deploy.stack`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import os
 import sys
 
 from temoe import __version__
-
 from temoe.deploy import env
 
 NO_GPU_FIX = ("run on a GPU host with the NVIDIA driver (`nvidia-smi` works), in the image with "
@@ -68,9 +68,8 @@ def _version(parts) -> str:
 
 def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[int, int, int] | None) -> Report:
   """The report for a `temoe.hardware.Platform`, an environment, MaxText's seam check and NCCL."""
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
   from temoe import recipes  # pylint: disable=import-outside-toplevel
-  from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
 
   report = Report()
   report.lines.append(("GPU", plat.describe()))
@@ -91,11 +90,11 @@ def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[
                            "MaxText image (ghcr.io/nvidia/jax:maxtext-*) or install transformer_engine[jax] "
                            "built for this CUDA; until then only te_moe_backend=xla runs.")
   if gpu:
-    need = _version(hardware.grouped_gemm_min_cublas(plat.compute_capability))
+    need = _version(recipes.grouped_gemm_min_cublas(plat.compute_capability))
     have = _version(plat.cublas_version) if plat.cublas_version else "not found"
     report.lines.append(("cuBLAS", f"{have}; TE's bf16 grouped GEMM needs >= {need} on this GPU"))
   if plat.te_usable:
-    runnable = plat.runnable_recipes()
+    runnable = recipes.runnable(plat, "te")  # this report is about the TE backend
     report.lines.append(("recipes", ", ".join(runnable) or "none with the te backend"))
     for recipe in recipes.RECIPES:
       if recipe not in runnable:
@@ -106,9 +105,8 @@ def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[
   report.lines.append(("NCCL", _version(nccl) if nccl else "not found"))
   if gpu and nccl is None:
     report.warnings.append("NCCL not found: multi-GPU runs need it (the NGC JAX images ship it).")
-  report.lines.append(("MaxText", seam_error or f"{seams.MAXTEXT_VERSION}, with the seams temoe hooks: "
-                                                 "pyconfig.initialize(config_class), RoutedMoE._te_moe_block, "
-                                                 "max_utils.maybe_bootstrap_te_moe"))
+  report.lines.append(("MaxText", seam_error or f"{seams.MAXTEXT_VERSION}, with every seam and touchpoint temoe "
+                                                 "uses (temoe.maxtext.seams.check_maxtext)"))
   if seam_error:
     report.problems.append(seam_error)
   _profile(report, arch, environ)
@@ -119,8 +117,8 @@ def _profile(report: Report, arch: str | None, environ: dict[str, str]) -> None:
   found = env.in_force(arch, environ)
   missing = [s for s, value in found if value is None]
   yours = [(s, value) for s, value in found if value is not None and value != s.value]
-  report.lines.append(("profile", f"{arch or 'shared settings'}: {len(found) - len(missing) - len(yours)} of "
-                                  f"{len(found)} in force, {len(yours)} yours, {len(missing)} missing"))
+  report.lines.append(("profile", (f"{arch or 'shared settings'}: {len(found) - len(missing) - len(yours)} of "
+                                   f"{len(found)} in force, {len(yours)} yours, {len(missing)} missing")))
   for s, value in yours:
     report.warnings.append(f"{s.name}={value} is yours; the profile's {s.value} is for this: {s.reason}.")
   if missing:
@@ -132,13 +130,24 @@ def _profile(report: Report, arch: str | None, environ: dict[str, str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   """`temoe doctor`: checks this machine and environment for a temoe GPU run."""
-  argparse.ArgumentParser(prog="temoe doctor", description=main.__doc__).parse_args(argv)
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  parser = argparse.ArgumentParser(prog="temoe doctor", description=main.__doc__)
+  parser.add_argument("--image", action="store_true",
+                      help="check the installed stack only, no GPU (the image build runs this): MaxText, its "
+                           "base.yml and seams, Transformer Engine's names; one line per problem with the fix")
+  parser.add_argument("--without-te", action="store_true", help="with --image: a CPU environment, no TE to check")
+  args = parser.parse_args(argv)
+  if args.without_te and not args.image:
+    parser.error("--without-te goes with --image")
+  if args.image:
+    from temoe.deploy import stack  # pylint: disable=import-outside-toplevel
+
+    return stack.main(args.without_te)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
 
   try:
     plat = hardware.detect()
-  except Exception as exc:  # pylint: disable=broad-exception-caught
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     print(f"temoe doctor: JAX could not start its backend ({type(exc).__name__}: {exc}); {NO_GPU_FIX}.")
     return 1
   try:

@@ -14,7 +14,6 @@ import os
 import sys
 
 from temoe import cli
-
 from temoe.deploy import env
 
 DEFAULT_COMMAND = ["temoe", "train", "/opt/temoe/configs/deepseek3-smoke.yml", "hardware=gpu", "dtype=bfloat16",

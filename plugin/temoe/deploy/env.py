@@ -177,10 +177,15 @@ def render(arch: str | None, fmt: str, explain: bool = False, environ: dict[str,
 
 
 def dockerfile_block() -> str:
-  """The Dockerfile's generated ENV block: the architecture-independent profile."""
+  """The Dockerfile's generated ENV block: the architecture-independent profile.
+
+  XLA_FLAGS starts with the base image's own (`${XLA_FLAGS}`, expanded by Docker at build time):
+  flags the profile lacks are kept, and for one that both name XLA applies the profile's, the later.
+  """
   env = environment(None)
+  flags = env.pop("XLA_FLAGS")
   body = " \\\n    ".join(f'{name}="{value}"' for name, value in env.items())
-  return f"{DOCKERFILE_BEGIN}\nENV {body}\n{DOCKERFILE_END}"
+  return f'{DOCKERFILE_BEGIN}\nENV XLA_FLAGS="${{XLA_FLAGS}} {flags}"\nENV {body}\n{DOCKERFILE_END}'
 
 
 def write_dockerfile(path: str) -> bool:

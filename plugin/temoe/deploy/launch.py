@@ -26,13 +26,13 @@ import shlex
 import subprocess
 import sys
 
-TEMPLATES = pathlib.Path(__file__).resolve().parent / "templates"  # package data: in the image too
-"""launch/ of the temoe checkout: sbatch.sh.j2, jobset.yaml.j2."""
+TEMPLATES = pathlib.Path(__file__).parent / "templates"
+"""The checkout's top-level launch/ (templates/ is a link to it; a wheel holds copies as package data):
+sbatch.sh.j2, jobset.yaml.j2 and docker-run.sh, the files users read and copy."""
 
 HARDWARE = {"docker": "gpu", "slurm": "gpu_multiprocess", "k8s": "gpu"}
 """MaxText's hardware mode for each launcher's process layout (GPU jobs; an explicit hardware= wins)."""
 
-STACK_BYTES = 64 * 1024 * 1024
 COORDINATOR_PORT = 3389
 
 
@@ -59,6 +59,29 @@ class Job:
     return self.tasks_per_node or self.gpus_per_node or 1
 
 
+def check(job: Job, launcher: str) -> None:
+  """Refuses, with one line, a job no launcher should render: each value is checked before any
+  template sees it (the templates would otherwise write `--nodes=0` or a named volume)."""
+  if job.nodes < 1:
+    raise ValueError(f"--nodes {job.nodes}: must be at least 1")
+  if job.gpus_per_node < 0:
+    raise ValueError(f"--gpus-per-node {job.gpus_per_node}: must be at least 0 (0: a CPU job)")
+  if job.tasks_per_node is not None and job.tasks_per_node < 1:
+    raise ValueError(f"--tasks-per-node {job.tasks_per_node}: must be at least 1")
+  if job.max_restarts < 0:
+    raise ValueError(f"--max-restarts {job.max_restarts}: must be at least 0 (0: never requeue or restart)")
+  if not job.config.strip():
+    raise ValueError("the config path is empty: give the MaxText YAML the job runs")
+  if job.image is not None and not job.image.strip():
+    raise ValueError("--image is empty: give an image name, or leave --image out (Slurm: a virtualenv)")
+  if not job.name or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", job.name):
+    raise ValueError(f"--name {job.name!r}: letters, digits, '_', '.' and '-', starting with a letter or digit")
+  for spec in job.mounts:
+    _mount(spec)
+  if job.venv and (launcher != "slurm" or job.image):
+    raise ValueError("--venv is for `temoe launch slurm` without --image; with an image the job runs in it")
+
+
 def environment(job: Job) -> dict[str, str]:
   """The job's own variables (--env). The env profile is not merged here: every GPU launch runs
   `temoe.deploy.entrypoint` (the image's ENTRYPOINT; `python -m temoe.deploy.entrypoint` under srun), which adds
@@ -80,8 +103,46 @@ def train_argv(job: Job, launcher: str) -> list[str]:
 def _mount(spec: str) -> tuple[str, str, str]:
   parts = spec.split(":")
   if len(parts) not in (2, 3) or not all(parts[:2]) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-    raise ValueError(f"mount {spec!r} is not HOST:CONTAINER[:ro|rw]")
+    raise ValueError(f"--mount {spec!r} is not HOST:CONTAINER[:ro|rw]")
+  for side, path in zip(("HOST", "CONTAINER"), parts[:2]):
+    if not path.startswith("/"):  # docker would make a named volume of a relative HOST
+      raise ValueError(f"--mount {spec!r}: {side} {path!r} must be an absolute path")
   return parts[0], parts[1], parts[2] if len(parts) == 3 else "rw"
+
+
+DOCKER_RUN = "docker-run.sh"
+"""launch/'s `docker run` wrapper; its TEMOE_DOCKER_FLAGS line is what every temoe container gets."""
+
+
+def docker_flags() -> list[str]:
+  """The TEMOE_DOCKER_FLAGS array of launch/docker-run.sh, as argv words."""
+  text = (TEMPLATES / DOCKER_RUN).read_text(encoding="utf-8")
+  found = re.search(r"^TEMOE_DOCKER_FLAGS=\((.*)\)$", text, re.MULTILINE)
+  if not found:
+    raise ValueError(f"{TEMPLATES / DOCKER_RUN} has no TEMOE_DOCKER_FLAGS=(...) line")
+  return shlex.split(found.group(1))
+
+
+def _docker_options(flags: list[str], gpus: bool) -> dict:
+  """docker SDK keyword arguments for the `docker run` flags temoe uses (--gpus, --ipc, --ulimit)."""
+  import docker  # pylint: disable=import-outside-toplevel
+
+  out = {"device_requests": [], "ipc_mode": None, "ulimits": []}
+  pairs = list(zip(flags[::2], flags[1::2]))
+  if len(flags) % 2:
+    raise ValueError(f"TEMOE_DOCKER_FLAGS: {flags[-1]!r} has no value")
+  for flag, value in pairs:
+    if flag == "--gpus" and value == "all":
+      out["device_requests"] = [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if gpus else []
+    elif flag == "--ipc":
+      out["ipc_mode"] = value
+    elif flag == "--ulimit" and re.fullmatch(r"\w+=-?\d+:-?\d+", value):
+      name, limits = value.split("=")
+      soft, hard = map(int, limits.split(":"))
+      out["ulimits"].append(docker.types.Ulimit(name=name, soft=soft, hard=hard))
+    else:
+      raise ValueError(f"TEMOE_DOCKER_FLAGS: `{flag} {value}` is not one temoe maps (--gpus all, --ipc, --ulimit N=S:H)")
+  return out
 
 
 def _need_image(job: Job, launcher: str) -> str:
@@ -92,34 +153,31 @@ def _need_image(job: Job, launcher: str) -> str:
 
 def docker_run_kwargs(job: Job) -> dict:
   """Keyword arguments of docker SDK's `containers.run`: all GPUs, host IPC, memlock/stack ulimits."""
-  import docker  # pylint: disable=import-outside-toplevel
-
+  check(job, "docker")
   if job.nodes != 1:
     raise ValueError("`temoe launch docker` runs on one host; use slurm or k8s for --nodes > 1")
   return {
       "image": _need_image(job, "docker"),
       "command": train_argv(job, "docker"),
       "name": job.name,
-      "device_requests": [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])] if job.gpus_per_node else [],
-      "ipc_mode": "host",
-      "ulimits": [docker.types.Ulimit(name="memlock", soft=-1, hard=-1),
-                  docker.types.Ulimit(name="stack", soft=STACK_BYTES, hard=STACK_BYTES)],
+      **_docker_options(docker_flags(), bool(job.gpus_per_node)),
       "volumes": {host: {"bind": path, "mode": mode} for host, path, mode in map(_mount, job.mounts)},
       "environment": environment(job),
   }
 
 
 def docker_run_line(kwargs: dict) -> str:
-  """The `docker run` command line equivalent to `kwargs`, quoted for any POSIX shell."""
+  """The `docker run` command line equivalent to `kwargs`, quoted for any POSIX shell: what
+  launch/docker-run.sh runs for the same --name, -v and -e."""
   argv = ["docker", "run", "--rm", "--name", kwargs["name"]]
-  argv += ["--gpus", "all"] if kwargs["device_requests"] else []
-  argv += ["--ipc", kwargs["ipc_mode"]]
-  for ulimit in kwargs["ulimits"]:
-    argv += ["--ulimit", f"{ulimit.name}={ulimit.soft}:{ulimit.hard}"]
   for host, bind in kwargs["volumes"].items():
     argv += ["-v", f"{host}:{bind['bind']}:{bind['mode']}"]
   for key, value in kwargs["environment"].items():
     argv += ["-e", f"{key}={value}"]
+  argv += ["--gpus", "all"] if kwargs["device_requests"] else []
+  argv += ["--ipc", kwargs["ipc_mode"]] if kwargs["ipc_mode"] else []
+  for ulimit in kwargs["ulimits"]:
+    argv += ["--ulimit", f"{ulimit.name}={ulimit.soft}:{ulimit.hard}"]
   return shlex.join([*argv, kwargs["image"], *kwargs["command"]])
 
 
@@ -127,7 +185,12 @@ def run_docker(job: Job) -> int:
   """Runs the container through the Docker engine, streams its output, returns its exit code."""
   import docker  # pylint: disable=import-outside-toplevel
 
-  container = docker.from_env().containers.run(detach=True, **docker_run_kwargs(job))
+  kwargs = docker_run_kwargs(job)  # a bad job is refused before the engine is asked anything
+  try:
+    container = docker.from_env().containers.run(detach=True, **kwargs)
+  except docker.errors.DockerException as exc:
+    raise ValueError(f"the Docker engine refused or cannot be reached ({exc}); `--dry-run` prints the "
+                     "`docker run` line instead") from exc
   try:
     for chunk in container.logs(stream=True, follow=True):
       sys.stdout.buffer.write(chunk)
@@ -151,9 +214,13 @@ def _render(template: str, **values) -> str:
 
 def sbatch_script(job: Job) -> str:
   """The sbatch script: one task per GPU, pyxis or a virtualenv, requeue on failure (resumes)."""
+  check(job, "slurm")
   for value in (job.name, job.workdir, *job.sbatch_options):
     if any(c.isspace() for c in value):
       raise ValueError(f"#SBATCH values cannot hold whitespace: {value!r}")
+  commas = [spec for spec in job.mounts if "," in spec]
+  if commas:  # pyxis' --container-mounts is a comma-separated list
+    raise ValueError(f"--mount {commas[0]!r}: a pyxis mount cannot hold ','")
   mounts = ",".join(":".join(m for m in _mount(spec) if m != "rw") for spec in job.mounts)
   return _render(
       "sbatch.sh.j2", job=job, tasks=job.tasks, argv=train_argv(job, "slurm"), env=environment(job),
@@ -172,6 +239,7 @@ def submit(script: str, job: Job) -> str:
 
 def jobset_manifest(job: Job) -> str:
   """The JobSet: indexed pods, one per node, coordinator pod 0, GPUs, /dev/shm, image, env."""
+  check(job, "k8s")
   image = _need_image(job, "k8s")
   if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?", job.name):
     raise ValueError(f"--name {job.name!r}: a JobSet name is lowercase letters, digits and '-' (at most 40)")
@@ -183,8 +251,15 @@ def jobset_manifest(job: Job) -> str:
   )
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse that reports a bad argument in one line (no usage block), exit 2."""
+
+  def error(self, message):
+    self.exit(2, f"temoe launch: {message} (see `temoe launch --help`)\n")
+
+
 def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
-  parser = argparse.ArgumentParser(prog="temoe launch", description=__doc__.splitlines()[0])
+  parser = _Parser(prog="temoe launch", description=__doc__.splitlines()[0])
   parser.add_argument("launcher", choices=("docker", "slurm", "k8s"))
   parser.add_argument("config", help="MaxText YAML, as the job sees it (a path in the image or workdir)")
   parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides, passed verbatim")
@@ -206,7 +281,7 @@ def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
   if bad_env:
     parser.error(f"--env needs KEY=VALUE: {bad_env[0]!r}")
   config = args.config
-  if args.launcher == "slurm" and not args.image:  # the job runs here, maybe from another directory
+  if args.launcher == "slurm" and not args.image and config.strip():  # runs here, maybe from another directory
     config = os.path.abspath(config)
   job = Job(
       config=config, overrides=args.overrides, name=args.name, nodes=args.nodes,
