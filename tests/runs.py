@@ -40,6 +40,17 @@ def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str
   return losses(base / metrics), log
 
 
+def finish(proc: subprocess.Popen, base: pathlib.Path, metrics: str, timeout: int = 600) -> tuple[int, str]:
+  """Waits for a started run; returns (exit code, log)."""
+  proc.wait(timeout)
+  return proc.returncode, (base / f"{metrics}.log").read_text(encoding="utf-8")
+
+
+def temoe_lines(log: str) -> list[str]:
+  """The lines `temoe train` itself printed (`temoe: ...`)."""
+  return [line for line in log.splitlines() if line.startswith("temoe: ")]
+
+
 def losses(path: pathlib.Path) -> dict[int, float]:
   """{step: learning/loss} of a metrics JSONL file, as the exact floats MaxText wrote."""
   rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -20,46 +20,101 @@ SUBCOMMANDS = {
 """name -> (module with main(argv) -> int, one-line help)."""
 
 
+TRAIN_USAGE = "temoe train <config.yml> [key=value ...]  (MaxText's own arguments)"
+
+
 def config_error_message(exc: BaseException) -> str | None:
   """The one line a user needs from a config error (temoe's or MaxText's), or None if not one."""
   import pydantic  # pylint: disable=import-outside-toplevel
 
   if isinstance(exc, pydantic.ValidationError):
     return "; ".join(f"{'.'.join(map(str, e['loc'])) + ': ' if e['loc'] else ''}{e['msg']}" for e in exc.errors())
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
   from temoe import recipes  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
 
   if isinstance(exc, (recipes.TemoeConfigError, seams.TemoeSeamError)):
     return str(exc)
-  return None
+  return inputs.unknown_key(exc)
+
+
+def first_line(exc: BaseException) -> str:
+  text = str(exc).strip()
+  return f"{type(exc).__name__}: {text.splitlines()[0][:400]}" if text else type(exc).__name__
+
+
+def chain(exc: BaseException | None):
+  """`exc` and its causes/contexts, outermost first."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    yield exc
+    exc = exc.__cause__ or exc.__context__
+
+
+def training_failure(exc: BaseException) -> tuple[str, bool]:
+  """(the one line for an exception raised while MaxText trained, whether its traceback helps)."""
+  from temoe.maxtext import checkpointing, failures  # pylint: disable=import-outside-toplevel
+
+  for link in chain(exc):
+    if isinstance(link, failures.TrainingStopped):
+      return str(link), False
+  step = failures.progress.get("step")
+  where = f"at step {step} of {failures.progress['steps']}" if step is not None else "before its first step"
+  err = checkpointing.write_error(exc)
+  if err is not None:
+    return f"training failed {where}: a write failed ({err.strerror}{': ' + str(err.filename) if err.filename else ''})", False
+  return f"training failed {where}: {first_line(exc)}", True
 
 
 def train(maxtext_args: list[str]) -> int:
-  """Runs MaxText's pre-training loop with temoe registered."""
+  """Runs MaxText's pre-training loop with temoe registered: 0 when every step ran, 1 when not, 2 on bad input."""
   if not maxtext_args or not maxtext_args[0].endswith((".yml", ".yaml")):
-    print("usage: temoe train <config.yml> [key=value ...]  (MaxText's own arguments)", file=sys.stderr)
+    print(f"usage: {TRAIN_USAGE}", file=sys.stderr)
     return 2
-  import temoe  # pylint: disable=import-outside-toplevel
-  from temoe.run import distributed  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
 
+  import temoe  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  from temoe.run import distributed, inputs, preflight  # pylint: disable=import-outside-toplevel
+
+  seams.use_packaged_assets()  # before the checks below import MaxText's config module
+  try:
+    inputs.check_config_file(maxtext_args[0])
+    inputs.check_settings(maxtext_args[1:], TRAIN_USAGE)
+  except inputs.InputError as exc:
+    print(f"temoe: {exc}", file=sys.stderr)
+    return 2
   distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
-    from temoe.run import preflight  # pylint: disable=import-outside-toplevel
+    from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
 
-    preflight.check(maxtext_args)  # output dir writable, latest checkpoint readable, before MaxText starts
-    from absl import app  # pylint: disable=import-outside-toplevel
-    from maxtext.trainers.pre_train import train as maxtext_train  # pylint: disable=import-outside-toplevel
-
-    app.run(maxtext_train.main, argv=["temoe train", *maxtext_args])
-  except SystemExit as exc:
-    return int(exc.code or 0) if not isinstance(exc.code, str) else 1
-  except Exception as exc:  # pylint: disable=broad-exception-caught
-    message = config_error_message(exc)
-    if message is None:
-      raise
-    print(f"temoe: {message}", file=sys.stderr)
+    failures.install_quiet_config_errors()
+    failures.install_train_loop()
+    preflight.check(maxtext_args, lock_run=True)  # values, data, disk, run lock, latest checkpoint: before compiling
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    preflight.release()
+    print(f"temoe: {config_error_message(exc) or first_line(exc)}", file=sys.stderr)
     return 2
+  try:
+    from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+    introspect.train(["temoe train", *maxtext_args])
+  except SystemExit as exc:
+    code = int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    if code:
+      print(f"temoe: training exited with code {code}{': ' + exc.code if isinstance(exc.code, str) else ''}",
+            file=sys.stderr)
+    return code
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    line, show_traceback = training_failure(exc)
+    if show_traceback:
+      traceback.print_exc()
+    print(f"temoe: {line}", file=sys.stderr, flush=True)
+    return 1
+  finally:
+    preflight.release()
   return 0
 
 

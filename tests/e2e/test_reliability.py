@@ -61,7 +61,19 @@ CORRUPTIONS = {  # name -> (damage to the latest step directory, text of the err
     "missing OCDBT manifest": (lambda s: (s / "items" / "manifest.ocdbt").unlink(), "manifest.ocdbt) is missing"),
     "truncated Grain iterator state": (lambda s: truncate(next((s / "iter").glob("*.json")), 10), "iter/process_0"),
     "missing train state": (lambda s: shutil.rmtree(s / "items"), "no items/"),
+    "flipped bytes in a data chunk": (lambda s: flip(largest_chunk_file(s), 4096), "CRC-32 mismatch"),
+    "deleted OCDBT data file": (lambda s: largest_chunk_file(s).unlink(), "items/"),
+    "deleted Grain iterator state": (lambda s: [p.unlink() for p in (s / "iter").glob("*")], "Grain iterator state"),
 }
+
+
+def flip(path: pathlib.Path, count: int) -> None:
+  """Inverts `count` bytes in the middle of the file; its size stays the same."""
+  with open(path, "r+b") as f:
+    f.seek(max(path.stat().st_size // 2 - count // 2, 0))
+    chunk = f.read(count)
+    f.seek(-len(chunk), 1)
+    f.write(bytes(b ^ 0xFF for b in chunk))
 
 
 def truncate(path: pathlib.Path, size: int) -> None:
@@ -78,19 +90,20 @@ def damaged_copy(checkpointed: pathlib.Path, name: str, damage) -> str:
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_corrupt_latest_checkpoint(checkpointed, case):
+def test_corrupt_latest_checkpoint(checkpointed, case, smoke_data):
   damage, expected = CORRUPTIONS[case]
   run = damaged_copy(checkpointed, case, damage)
-  message = preflight_error(f"base_output_directory={checkpointed.parent}", f"run_name={run}", *RESUME)
+  message = preflight_error(f"base_output_directory={checkpointed.parent}", f"run_name={run}",
+                            f"grain_train_files={smoke_data}", *RESUME)
   assert f"the latest checkpoint {checkpointed.parent / run}/checkpoints/{SAVED}" in message
   assert expected in message and "the one before it is step 0" in message
 
 
-def test_intact_checkpoint_passes_and_the_earlier_step_is_the_way_out(checkpointed):
+def test_intact_checkpoint_passes_and_the_earlier_step_is_the_way_out(checkpointed, smoke_data):
   import temoe  # pylint: disable=import-outside-toplevel
 
   temoe.register()
-  args = [SMOKE, f"base_output_directory={checkpointed.parent}", *RESUME]
+  args = [SMOKE, f"base_output_directory={checkpointed.parent}", f"grain_train_files={smoke_data}", *RESUME]
   assert preflight.check([*args, f"run_name={checkpointed.name}"]).enable_checkpointing
   run = damaged_copy(checkpointed, "moved-away", lambda s: shutil.move(s, s.parent.parent / "corrupt-5"))
   assert preflight.check_latest_checkpoint(str(checkpointed.parent / run / "checkpoints")) == 0

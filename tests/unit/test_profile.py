@@ -16,7 +16,7 @@ def profiled(tmp_path_factory, smoke_data):
   out = tmp_path_factory.mktemp("profile") / "run"
   result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "--out", str(out), "--skip=2", "--steps=2")
   assert result.returncode == 0, result.stderr[-4000:]
-  return out, json.loads((out / "profiling.json").read_text()), result.stdout
+  return out, json.loads((out / "profile.json").read_text()), result.stdout
 
 
 def test_every_moe_stage_attention_and_the_optimizer_take_time(profiled):
@@ -64,7 +64,7 @@ def test_flops_and_trace_mode(profiled, tmp_path):
   assert f["model_tflops_per_s_per_device"] == pytest.approx(f["model_tflops_per_step_per_device"] / r["step_ms"] * 1e3)
   assert f["device_kind"] == "cpu" and f["mfu"] is None  # no GPU peak to divide by
   assert profiling.main(["--trace", str(out), "--out", str(tmp_path), "--steps", "2"]) == 0
-  again = json.loads((tmp_path / "profiling.json").read_text())
+  again = json.loads((tmp_path / "profile.json").read_text())
   assert again["ms_per_step"] == pytest.approx(r["ms_per_step"], rel=1e-9)
 
 

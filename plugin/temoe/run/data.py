@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import numpy as np
 
@@ -52,6 +53,17 @@ def write_parquet(path: str, rows: int = 4096, length: int = 65, vocab: int = 25
   return path
 
 
+def existing_problem(path: str, rows: int, length: int) -> str | None:
+  """Why an existing --out is not the stream asked for (it is kept, never rewritten), or None."""
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+  try:
+    meta = pq.ParquetFile(path).metadata
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    return f"is not a readable Parquet file ({type(exc).__name__})"
+  return None if meta.num_rows == rows else f"holds {meta.num_rows} rows, not --rows {rows}"
+
+
 def main(argv: list[str]) -> int:
   """`temoe data [--out PATH] ...`: writes the stream (once) and prints its path."""
   parser = argparse.ArgumentParser(prog="temoe data", description=__doc__.splitlines()[0])
@@ -61,5 +73,18 @@ def main(argv: list[str]) -> int:
   parser.add_argument("--vocab", type=int, default=256)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  for flag in ("rows", "length", "vocab"):
+    if getattr(args, flag) < (2 if flag != "rows" else 1):
+      print(f"temoe data: --{flag}={getattr(args, flag)} must be at least {2 if flag != 'rows' else 1}", file=sys.stderr)
+      return 2
+  if os.path.isdir(args.out):
+    print(f"temoe data: --out {args.out} is a directory; pass a file path (e.g. {args.out}/train.parquet)",
+          file=sys.stderr)
+    return 2
+  if os.path.exists(args.out):
+    problem = existing_problem(args.out, args.rows, args.length)
+    if problem:
+      print(f"temoe data: --out {args.out} exists and {problem}; remove it or pass another path", file=sys.stderr)
+      return 2
   print(write_parquet(args.out, rows=args.rows, length=args.length, vocab=args.vocab, seed=args.seed))
   return 0

@@ -5,12 +5,22 @@
 - A latest checkpoint Orbax cannot read (truncated or missing files, bad metadata): MaxText's
   restore ends in Orbax's "incompatible handler" error followed by the whole abstract state tree.
 
+- Values that pass MaxText's config validation and fail later inside JAX (batch, sequence length,
+  experts per token, routing groups, a mesh that does not span the devices, steps), a run_name
+  that leaves base_output_directory, a metrics_file that cannot be written, unreadable data.
+- Less free disk than one checkpoint of this train state (its size as `temoe plan` computes it,
+  from MaxText's abstract state), and a second run holding the run directory (`temoe.run.lock`).
+- A latest checkpoint whose files differ from the checksums recorded at save (`temoe.run.checksums`),
+  or whose Grain iterator state is missing.
+
 Each check raises `PreflightError` (a `TemoeConfigError`, so `temoe train` prints one line and
 exits 2) naming what to do. They read what MaxText would read, with MaxText's and Orbax's own
-functions, and write nothing but the run directory MaxText would create anyway.
+functions, and write nothing but the run directory MaxText would create anyway (and its lock).
 """
 
 from __future__ import annotations
+
+import os
 
 from temoe import recipes
 
@@ -19,26 +29,167 @@ class PreflightError(recipes.TemoeConfigError):
   """A run that would fail in MaxText later, and less clearly."""
 
 
-def check(maxtext_args: list[str]):
-  """Builds the run's config as MaxText will (temoe registered) and checks it; returns the config."""
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+_held: list = []  # the run lock check(lock_run=True) took, until release()
 
-  config = pyconfig.initialize(["temoe train", *maxtext_args], log_config=False)  # MaxText logs it once, itself
+
+def check(maxtext_args: list[str], lock_run: bool = False):
+  """Builds the run's config as MaxText will (temoe registered) and checks it; returns the config.
+
+  With `lock_run`, takes the run directory's lock (`release()` gives it back) before the checks
+  that read the run's checkpoints.
+  """
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+  from temoe.run import datacheck, lock  # pylint: disable=import-outside-toplevel
+
+  config = introspect.initialize_config(["temoe train", *maxtext_args], log_config=False)  # MaxText logs it once, itself
+  check_values(config)
+  check_run_name(config.run_name)
   check_output_dir(config.base_output_directory, config.run_name)
+  check_metrics_file(config.metrics_file)
+  datacheck.check(config)
+  if lock_run:
+    held = lock.acquire(os.path.join(config.base_output_directory, config.run_name))
+    if held is not None:
+      _held.append(held)
   if config.enable_checkpointing:
-    check_latest_checkpoint(config.checkpoint_dir)
+    check_latest_checkpoint(config.checkpoint_dir, expect_iterator=config.dataset_type == "grain")
+    check_disk_space(config)
   return config
+
+
+def release() -> None:
+  """Gives back the run lock check() took, if any."""
+  while _held:
+    _held.pop().release()
+
+
+def check_values(config) -> None:
+  """Values MaxText's validation lets through and JAX fails on later, after compiling."""
+  positive = {"steps": config.steps, "per_device_batch_size": config.per_device_batch_size,
+              "max_target_length": config.max_target_length}
+  for key, value in positive.items():
+    if not value > 0:
+      raise PreflightError(f"{key}={value} must be greater than 0.")
+  if config.num_experts > 1:
+    if not 1 <= config.num_experts_per_tok <= config.num_experts:
+      raise PreflightError(
+          f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and num_experts={config.num_experts}."
+      )
+    groups = config.n_routing_groups
+    if groups > 0 and config.num_experts % groups:
+      raise PreflightError(
+          f"num_experts={config.num_experts} is not divisible by n_routing_groups={groups}; pass a divisor "
+          "of num_experts, or n_routing_groups=-1 for no group routing."
+      )
+    if groups > 0 and not 0 < config.topk_routing_group <= groups:
+      raise PreflightError(
+          f"topk_routing_group={config.topk_routing_group} must be between 1 and n_routing_groups={groups}."
+      )
+    if groups > 0 and config.num_experts_per_tok > (config.num_experts // groups) * config.topk_routing_group:
+      raise PreflightError(
+          f"num_experts_per_tok={config.num_experts_per_tok} exceeds the experts of the topk_routing_group="
+          f"{config.topk_routing_group} groups picked ({config.num_experts // groups} each)."
+      )
+  check_mesh(config)
+
+
+def check_mesh(config) -> None:
+  """The mesh spans this job's devices, and the batch splits over them (MaxText's own checks, early)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+  axes = [f"{kind}_{axis}_parallelism={value}" for kind, values in (("ici", config.ici_parallelism),
+          ("dcn", config.dcn_parallelism)) for axis, value in zip(config.mesh_axes, values) if value != 1]
+  try:
+    introspect.device_mesh(config)
+  except (AssertionError, ValueError) as exc:
+    raise PreflightError(
+        f"the mesh ({', '.join(axes) or 'all axes 1'}) does not fit the {jax.device_count()} device(s) of this job: "
+        f"{str(exc).split(chr(10))[0].strip()}; make the product of the ici_*/dcn_* parallelisms match, or leave one -1."
+    ) from exc
+  devices = jax.device_count()
+  if config.dataset_type != "synthetic" and int(config.global_batch_size_to_load) % devices:
+    raise PreflightError(
+        f"the global batch of {config.global_batch_size_to_load} sequences (per_device_batch_size="
+        f"{config.per_device_batch_size} x {devices} devices) does not split evenly over the {devices} devices; "
+        "pick a per_device_batch_size that makes it a multiple."
+    )
+
+
+def check_run_name(run_name: str) -> None:
+  """One directory under base_output_directory: no separator, no `..`."""
+  if not run_name or os.sep in run_name or (os.altsep and os.altsep in run_name) or run_name in (".", ".."):
+    raise PreflightError(
+        f"run_name={run_name!r} must be one directory name (no '/', not '.' or '..'): "
+        "runs live directly under base_output_directory."
+    )
+
+
+def check_metrics_file(metrics_file: str) -> None:
+  """MaxText appends to metrics_file after step 0; check it can, before compiling."""
+  if not metrics_file or "://" in metrics_file:
+    return
+  existed = os.path.exists(metrics_file)
+  try:
+    if os.path.isdir(metrics_file):
+      raise IsADirectoryError(21, "Is a directory")
+    os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+    with open(metrics_file, "a", encoding="utf-8"):
+      pass
+  except OSError as exc:
+    raise PreflightError(
+        f"metrics_file={metrics_file} cannot be written ({exc.strerror or exc}); pass a file path this process can "
+        "write, or metrics_file='' for none."
+    ) from exc
+  if not existed:
+    os.unlink(metrics_file)
+
+
+DISK_MARGIN = 1.1
+"""Free space asked for beyond one checkpoint (OCDBT indexes, the Grain state, metrics)."""
+
+
+def checkpoint_bytes(config) -> int:
+  """Bytes of one checkpoint of this run: MaxText's abstract train state (what `temoe plan` sizes), summed."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from temoe.tools import hbm  # pylint: disable=import-outside-toplevel
+
+  mesh = jax.sharding.AbstractMesh(tuple(1 for _ in config.mesh_axes), tuple(config.mesh_axes))
+  state = hbm.abstract_state(config, mesh)
+  return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree_util.tree_leaves(state))
+
+
+def free_bytes(path: str) -> int:
+  """Free bytes (for this user) on the filesystem that holds, or will hold, `path`."""
+  probe = os.path.abspath(path)
+  while not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  stat = os.statvfs(probe)
+  return stat.f_bavail * stat.f_frsize
+
+
+def check_disk_space(config) -> None:
+  """Room for one more checkpoint where MaxText writes them (local filesystems)."""
+  if "://" in config.checkpoint_dir:
+    return
+  need = int(checkpoint_bytes(config) * DISK_MARGIN)
+  free = free_bytes(config.checkpoint_dir)
+  if free < need:
+    raise PreflightError(
+        f"{config.checkpoint_dir} has {free / 2**20:,.1f} MiB free, less than one checkpoint of this run "
+        f"({need / 2**20:,.1f} MiB with a {DISK_MARGIN - 1:.0%} margin); free space, point base_output_directory "
+        "elsewhere, or pass enable_checkpointing=false."
+    )
 
 
 def check_output_dir(base_output_directory: str, run_name: str) -> None:
   """The run directory exists or can be made, and takes a file (MaxText's own probe)."""
-  import os  # pylint: disable=import-outside-toplevel
-
-  from maxtext.utils import gcs_utils  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   run_dir = os.path.join(base_output_directory, run_name)
   try:
-    gcs_utils.mkdir_and_check_permissions(run_dir)
+    introspect.make_writable_dir(run_dir)
   except Exception as exc:  # pylint: disable=broad-exception-caught
     raise PreflightError(
         f"base_output_directory={base_output_directory} is not writable by this process "
@@ -54,13 +205,18 @@ def finalized_steps(checkpoint_dir: str) -> list[int]:
   return sorted(ocp_path.step.checkpoint_steps(checkpoint_dir)) if epath.Path(checkpoint_dir).exists() else []
 
 
-def check_latest_checkpoint(checkpoint_dir: str) -> int | None:
-  """The step MaxText will restore, if any, after checking Orbax can read it."""
+def check_latest_checkpoint(checkpoint_dir: str, expect_iterator: bool = False) -> int | None:
+  """The step MaxText will restore, if any, after checking Orbax can read it and it is what was saved."""
+  from temoe.run import checksums  # pylint: disable=import-outside-toplevel
+
   steps = finalized_steps(checkpoint_dir)
   if not steps:
     return None
   step_dir = f"{checkpoint_dir.rstrip('/')}/{steps[-1]}"
-  problem = unreadable(step_dir)
+  problem = unreadable(step_dir, expect_iterator)
+  if problem is None and "://" not in checkpoint_dir:
+    changed = checksums.mismatch(checkpoint_dir, steps[-1])
+    problem = f"{changed} (checksums recorded at save)" if changed else None
   if problem:
     earlier = f"the one before it is step {steps[-2]}" if len(steps) > 1 else "there is no earlier one"
     raise PreflightError(
@@ -71,7 +227,7 @@ def check_latest_checkpoint(checkpoint_dir: str) -> int | None:
   return steps[-1]
 
 
-def unreadable(step_dir: str) -> str | None:
+def unreadable(step_dir: str, expect_iterator: bool = False) -> str | None:
   """Why MaxText could not restore the checkpoint in `step_dir`, or None.
 
   Reads what the restore reads: for OCDBT storage (MaxText's default) the database index and the
@@ -95,9 +251,11 @@ def unreadable(step_dir: str) -> str | None:
       return problem
   try:
     asyncio.run(ocp.handlers.PyTreeHandler().metadata(items))
-  except Exception as exc:  # pylint: disable=broad-exception-caught
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     return f"Orbax cannot read the train state's metadata (items/): {type(exc).__name__}: {first_line(exc)}"
   iterator = epath.Path(step_dir) / "iter"
+  if expect_iterator and not (iterator.exists() and any(iterator.iterdir())):
+    return "it has no Grain iterator state (iter/), so the data would restart from its beginning"
   for state in sorted(iterator.glob("*.json")) if iterator.exists() else []:
     try:
       json.loads(state.read_text())
@@ -114,7 +272,7 @@ def unreadable_chunk(ocdbt_dir: str) -> str | None:
   try:
     store = ts.KvStore.open(spec).result()
     keys = store.list().result()
-  except Exception as exc:  # pylint: disable=broad-exception-caught
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     return f"its OCDBT index (items/manifest.ocdbt): {first_line(exc)}"
   if not keys:
     return "its OCDBT index (items/manifest.ocdbt) is missing or lists no chunks"
@@ -122,7 +280,7 @@ def unreadable_chunk(ocdbt_dir: str) -> str | None:
   for key, read in reads:
     try:
       read.result()
-    except Exception as exc:  # pylint: disable=broad-exception-caught
+    except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
       return f"stored chunk {key.decode()}: {first_line(exc)}"
   return None
 

@@ -17,12 +17,8 @@ import os
 import sys
 from typing import Any
 
-GPUS = {  # --gpu: device kind, compute capability, nominal HBM (GiB)
-    "h100": ("NVIDIA H100 80GB HBM3", (9, 0), 80.0),
-    "h200": ("NVIDIA H200", (9, 0), 141.0),
-    "b200": ("NVIDIA B200", (10, 0), 180.0),
-    "gb200": ("NVIDIA GB200", (10, 0), 186.0),
-}
+from temoe import hardware
+
 STAND_IN_CUBLAS = (13, 4, 0)  # what a current NGC JAX image loads; only temoe's recipe checks read it
 
 
@@ -39,13 +35,21 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--hbm-gib", type=float, help="device memory to fit in (default: this GPU's, else --gpu's)")
   parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
   parser.add_argument("--slices", type=int, help="slices of the run (MaxText's num_slices; a GPU node is one)")
-  parser.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="target GPU when this host has none")
+  parser.add_argument("--gpu", choices=sorted(hardware.GPUS), default="h200", help="target GPU when this host has none")
   args, rest = parser.parse_known_args(argv)
   bad = [a for a in rest if "=" not in a or a.startswith("-")]
   if bad:
     raise PlanInputError(f"unknown arguments {' '.join(bad)}; pass MaxText settings as key=value")
   if not args.config.endswith((".yml", ".yaml")) or not os.path.isfile(args.config):
-    raise PlanInputError(f"{args.config} is not a config YAML file")
+    why = "no .yml" if not args.config.endswith((".yml", ".yaml")) else "no such file"
+    raise PlanInputError(f"{args.config} is not a config YAML file ({why})")
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  try:
+    inputs.check_config_file(args.config)
+    inputs.check_settings(rest, "temoe plan <config.yml> [key=value ...] [--devices N] [--slices N]")
+  except inputs.InputError as exc:
+    raise PlanInputError(str(exc)) from exc
   if args.hbm_gib is not None and not args.hbm_gib > 0:
     raise PlanInputError(f"--hbm-gib={args.hbm_gib} must be a positive number of GiB")
   for flag in ("devices", "slices"):
@@ -57,12 +61,12 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def build_config(path: str, overrides: list[str], devices: int | None = None):
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   fixed = ["skip_jax_distributed_system=true", "log_config=false", "enable_checkpointing=false"]
   if devices:
     fixed += ["internal_compile=true", f"internal_compile_num_devices={devices}"]
-  return pyconfig.initialize(["temoe plan", path, *overrides, *fixed])
+  return introspect.initialize_config(["temoe plan", path, *overrides, *fixed])
 
 
 def explicit_devices(config) -> int:
@@ -73,11 +77,11 @@ def explicit_devices(config) -> int:
 def abstract_mesh(config, devices: int):
   """The config's mesh over `devices` devices, filled as MaxText fills it, without devices."""
   import jax  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   slices = max(config.num_slices, 1)
-  ici = max_utils.fill_unspecified_mesh_axes(list(config.ici_parallelism), devices // slices, "ICI")
-  dcn = max_utils.fill_unspecified_mesh_axes(list(config.dcn_parallelism), slices, "DCN")
+  ici = introspect.fill_mesh_axes(list(config.ici_parallelism), devices // slices, "ICI")
+  dcn = introspect.fill_mesh_axes(list(config.dcn_parallelism), slices, "DCN")
   return jax.sharding.AbstractMesh(tuple(int(a * b) for a, b in zip(ici, dcn)), tuple(config.mesh_axes))
 
 
@@ -85,15 +89,14 @@ def target(gpu: str, hbm_gib: float | None):
   """(platform temoe's checks see, HBM GiB to fit in, where that number comes from)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from temoe import hardware  # pylint: disable=import-outside-toplevel
-
   local = hardware.detect()
   if local.device_platform == "gpu":
     limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
     where = "--hbm-gib" if hbm_gib else f"{local.device_kind}: XLA's allocator limit in this environment"
     return local, hbm_gib or (limit / 2**30 if limit else None), where
-  kind, cc, gib = GPUS[gpu]
-  stand_in = hardware.Platform("gpu", kind, cc, "stand-in", None, STAND_IN_CUBLAS)
+  spec = hardware.GPUS[gpu]
+  kind, gib = spec.device_kind, spec.hbm_gib
+  stand_in = hardware.Platform("gpu", kind, spec.compute_capability, "stand-in", None, STAND_IN_CUBLAS)
   where = "--hbm-gib" if hbm_gib else f"no GPU here: {kind}'s nominal {gib:g} GiB (--gpu, --hbm-gib)"
   return stand_in, hbm_gib or gib, where
 
@@ -101,8 +104,6 @@ def target(gpu: str, hbm_gib: float | None):
 @contextlib.contextmanager
 def platform_seen_as(seen):
   """temoe's recipe checks judge `seen` (the target GPU) while the config is built."""
-  from temoe import hardware  # pylint: disable=import-outside-toplevel
-
   detect = hardware.detect
   hardware.detect = lambda: seen
   try:
@@ -129,8 +130,6 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
   import temoe  # pylint: disable=import-outside-toplevel
   from temoe.tools import hbm  # pylint: disable=import-outside-toplevel
   from temoe import recipes  # pylint: disable=import-outside-toplevel
-  from temoe import hardware  # pylint: disable=import-outside-toplevel
-
   temoe.register()
   here = hardware.detect()
   seen, hbm_gib, where = target(gpu, hbm_gib)
@@ -180,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning on a GPU takes none of its memory
   try:
     args, overrides = parse(argv)
+    from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
+
+    failures.install_quiet_config_errors()
     p = make_plan(args.config, overrides, args.devices, args.gpu, args.hbm_gib)
   except SystemExit as exc:  # argparse: usage already printed
     return 2 if exc.code else 0
@@ -189,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     message = str(exc) if isinstance(exc, PlanInputError) else cli.config_error_message(exc)
     if message is None:
       raise
+    if "only one slice available" in message or "does not match the product" in message:
+      message += " The config is for a larger job: pass its --devices N and --slices N (a GPU node is one slice)."
     print(f"temoe plan: {message}", file=sys.stderr)
     return 2
   if not p.hbm_gib:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import glob
 import json
 import os
@@ -27,6 +26,7 @@ import re
 import statistics
 import sys
 
+from temoe.maxtext import scopes
 from temoe.tools import flops
 
 SCOPES = {
@@ -47,45 +47,6 @@ COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter"
 _SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
-
-
-def _scoped(fn, name: str):
-  @functools.wraps(fn)
-  def wrapper(*args, **kwargs):
-    import jax  # pylint: disable=import-outside-toplevel
-
-    with jax.named_scope(name):
-      return fn(*args, **kwargs)
-
-  wrapper.temoe_scope = name
-  return wrapper
-
-
-def scope_maxtext() -> None:
-  """Names MaxText's attention, MoE stages and optimizer step (op metadata only: numerics unchanged)."""
-  import temoe  # pylint: disable=import-outside-toplevel
-
-  temoe.register()  # first: it points MaxText at its packaged assets before MaxText is imported
-  from maxtext.common import train_state_nnx  # pylint: disable=import-outside-toplevel
-  from maxtext.layers import attention_mla, attentions, moe  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
-
-  for owner, attr, scope in (
-      (attentions.Attention, "__call__", "temoe_attention"),
-      (attention_mla.MLA, "__call__", "temoe_attention"),
-      # MaxText's own MoE (te_moe_block=false), so its breakdown compares with temoe's block
-      (moe.RoutedMoE, "sparse_matmul", "temoe_experts"),
-      (moe.GateLogit, "__call__", "temoe_router"),
-      (moe.RoutedMoE, "get_topk", "temoe_router"),
-      (moe.RoutedMoE, "permute", "temoe_dispatch"),
-      (moe.RoutedMoE, "local_permute", "temoe_dispatch"),
-      (moe.RoutedMoE, "unpermute", "temoe_combine"),
-      (train_state_nnx.TrainStateNNX, "apply_gradients", "temoe_optimizer"),
-      (maxtext_utils, "apply_gradient_clipping", "temoe_optimizer"),
-  ):
-    fn = owner.__dict__[attr] if isinstance(owner, type) else getattr(owner, attr)
-    if not hasattr(fn, "temoe_scope"):
-      setattr(owner, attr, _scoped(fn, scope))
 
 
 def classify(op_name: str, opcode: str, hlo_op: str = "") -> str:
@@ -301,20 +262,38 @@ def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: i
   import jax  # pylint: disable=import-outside-toplevel
 
   jax.config.update("jax_enable_compilation_cache", False)  # its key ignores op metadata: scopes would be lost
-  scope_maxtext()
+  scopes.scope_maxtext()
   rc = cli.train(args)
   if rc:
     raise SystemExit(rc)
   result = breakdown(latest_trace(out), steps)
   result["maxtext_step_ms"] = _maxtext_step_ms(os.path.join(out, "metrics.jsonl"), skip, steps)
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
-  count = flops.summary(pyconfig.initialize(["profile", *args]), hardware.detect().device_kind, gpu)
+  count = flops.summary(introspect.initialize_config(["profile", *args]), hardware.detect().device_kind, gpu)
   achieved = count["model_tflops_per_step_per_device"] / (result["step_ms"] / 1e3)
   count["model_tflops_per_s_per_device"] = achieved
   count["mfu"] = achieved / count["peak_tflops"] if count["peak_tflops"] else None
   result.update(command=" ".join(["temoe", "profile", config, *overrides]), flops=count)
   return result
+
+
+def argument_problem(args) -> str | None:
+  """Why `temoe profile` cannot run with these arguments (one line), or None; before MaxText starts."""
+  if args.steps < 1 or args.skip < 0:
+    return f"--steps={args.steps} must be at least 1 and --skip={args.skip} at least 0"
+  if args.trace:
+    return None if os.path.exists(args.trace) else f"--trace {args.trace} does not exist"
+  if not args.config or not args.config.endswith((".yml", ".yaml")):
+    return None  # usage
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  try:
+    inputs.check_config_file(args.config)
+    inputs.check_settings(args.overrides, "temoe profile <config.yml> [key=value ...] [--steps N] [--skip N]")
+  except inputs.InputError as exc:
+    return str(exc)
+  return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -328,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="peak table row for MFU (default: from the device)")
   parser.add_argument("--trace", help="only analyse this run directory or .xplane.pb")
   args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+  problem = argument_problem(args)
+  if problem:
+    print(f"temoe profile: {problem}", file=sys.stderr)
+    return 2
   if args.trace:
     result = breakdown(latest_trace(args.trace), args.steps)
     out = args.out or os.path.dirname(latest_trace(args.trace))

@@ -1,11 +1,11 @@
 """`temoe report <run_dir>`: one self-contained report.html (PNGs embedded) plus the PNGs, a
 summary.json and TensorBoard scalars for a run: loss, tokens/s, TFLOP/s/device and MFU per step, an
-expert-load heatmap (layer x expert) and, where `temoe profile` left a profiling.json, the step-time
+expert-load heatmap (layer x expert) and, where `temoe profile` left a profile.json, the step-time
 breakdown.
 
 Metrics come from MaxText's metrics file (`metrics_file=<run_dir>/metrics.jsonl`, what `make train`
 and `temoe profile` write) or else from the run's TensorBoard event files. temoe's model FLOPs and
-the GPU peak come from the run's profiling.json, or from `--config <yml> [key=value ...]` (+ `--gpu`).
+the GPU peak come from the run's profile.json, or from `--config <yml> [key=value ...]` (+ `--gpu`).
 """
 
 from __future__ import annotations
@@ -48,11 +48,41 @@ def tensorboard_rows(run_dir: str) -> list[dict]:
   return [{**v, "step": float(k)} for k, v in sorted(steps.items()) if "learning/loss" in v]
 
 
+def read_metrics(path: str) -> list[dict]:
+  """MaxText's metrics JSONL, one row per step, in step order.
+
+  A SIGKILL can leave the last line cut short, and a resumed run appends after it (on the same
+  line when no newline was written) and repeats the steps after its checkpoint: a cut row is
+  dropped, and a repeated step keeps the later run's row (the one on the resumed trajectory).
+  """
+  by_step, unnumbered = {}, []
+  with open(path, encoding="utf-8", errors="replace") as f:
+    for line in f:
+      for row in _rows_in(line.strip()):
+        if "step" in row:
+          by_step[int(row["step"])] = row
+        else:
+          unnumbered.append(row)
+  return [by_step[step] for step in sorted(by_step)] + unnumbered
+
+
+def _rows_in(line: str) -> list[dict]:
+  """The JSON objects of one line: itself, or after a cut-short row, the complete row glued to it."""
+  if not line:
+    return []
+  try:
+    row = json.loads(line)
+    return [row] if isinstance(row, dict) else []
+  except ValueError:
+    start = line.find('{"', 1)
+    return _rows_in(line[start:]) if start > 0 else []
+
+
 def load_rows(run_dir: str) -> tuple[list[dict], str]:
   """(rows, source): MaxText's metrics JSONL in the run directory, else its TensorBoard events."""
   for path in [os.path.join(run_dir, "metrics.jsonl"), *sorted(glob.glob(os.path.join(run_dir, "*.jsonl")))]:
     if os.path.exists(path):
-      rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+      rows = read_metrics(path)
       if rows and "learning/loss" in rows[0]:
         return rows, path
   rows = tensorboard_rows(run_dir)
@@ -198,7 +228,7 @@ def report(run_dir: str, out: str, count: dict | None = None, gpu: str | None = 
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   rows, source = load_rows(run_dir)
-  profile_json = os.path.join(run_dir, "profiling.json")
+  profile_json = os.path.join(run_dir, "profile.json")
   breakdown = json.load(open(profile_json, encoding="utf-8")) if os.path.exists(profile_json) else None
   count = count or (breakdown or {}).get("flops")
   if count and gpu:  # the effective peak depends only on the share of FLOPs run in FP8
@@ -232,19 +262,35 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", nargs="+", metavar="ARG", help="the run's config.yml and key=value overrides")
   parser.add_argument("--gpu", choices=sorted(k.lower() for k in flops.PEAK_TFLOPS), help="GPU peak for MFU")
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+  if not os.path.isdir(args.run_dir):
+    print(f"temoe report: {args.run_dir} is not a run directory"
+          f"{' (it is a file; pass the directory holding it)' if os.path.isfile(args.run_dir) else ''}", file=sys.stderr)
+    return 2
   count = None
   if args.config:
     import temoe  # pylint: disable=import-outside-toplevel
+    from temoe import cli  # pylint: disable=import-outside-toplevel
+    from temoe.run import inputs  # pylint: disable=import-outside-toplevel
 
-    temoe.register()
-    from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+    try:
+      inputs.check_config_file(args.config[0])
+      inputs.check_settings(args.config[1:], "temoe report <run_dir> --config <config.yml> [key=value ...]")
+      temoe.register()
+      from temoe.maxtext import failures, introspect  # pylint: disable=import-outside-toplevel
 
-    count = flops.summary(pyconfig.initialize(["report", *args.config]), gpu=args.gpu)
+      failures.install_quiet_config_errors()
+      count = flops.summary(introspect.initialize_config(["report", *args.config]), gpu=args.gpu)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      message = cli.config_error_message(exc)
+      if message is None:
+        raise
+      print(f"temoe report: --config: {message}", file=sys.stderr)
+      return 2
   out = args.out or os.path.join(args.run_dir, "report")
   try:
     summary = report(args.run_dir, out, count, args.gpu)
   except FileNotFoundError as exc:
-    print(exc, file=sys.stderr)
+    print(str(exc) if str(exc).startswith("temoe report") else f"temoe report: {exc}", file=sys.stderr)
     return 2
   print(f"temoe report: {summary['steps']} steps from {summary['source']}; loss {summary['first_loss']:.3f} -> "
         f"{summary['final_loss']:.3f}; median {summary['median_tokens_per_s_per_device']:,.0f} tokens/s/device")

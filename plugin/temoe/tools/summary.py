@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
+import os
 import sys
 
 from temoe.tools import report
 
 
 def summarize(path: str) -> str:
-  rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+  rows = [r for r in report.read_metrics(path) if "learning/loss" in r]
   if not rows:
     return f"{path}: no steps logged"
   s = report.summarize(rows, path, None, None)
@@ -20,5 +20,18 @@ def summarize(path: str) -> str:
   )
 
 
+def main(argv: list[str] | None = None) -> int:
+  """`python -m temoe.tools.summary <metrics.jsonl>`: 0, or 2 with one line for a path that is not a file."""
+  argv = sys.argv[1:] if argv is None else argv
+  if len(argv) != 1 or argv[0].startswith("-"):
+    print("usage: python -m temoe.tools.summary <metrics.jsonl>", file=sys.stderr)
+    return 2
+  if not os.path.isfile(argv[0]):
+    print(f"temoe summary: {argv[0]} is not a metrics file (MaxText's metrics_file=...jsonl)", file=sys.stderr)
+    return 2
+  print(summarize(argv[0]))
+  return 0
+
+
 if __name__ == "__main__":
-  print(summarize(sys.argv[1]))
+  sys.exit(main())

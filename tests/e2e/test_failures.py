@@ -1,0 +1,93 @@
+"""Training that fails says so, and keeps what is good: data that runs out, two runs with one
+run_name at once, a filesystem that fills up, a state that goes NaN. Each run is the smoke model
+for a few steps; the line checked is the last one `temoe train` prints.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import runs
+from temoe.run import data, lock
+
+BATCHES = 5  # the short stream: 5 batches of the smoke config's 8 sequences
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def short_data(tmp_path_factory) -> str:
+  return data.write_parquet(str(tmp_path_factory.mktemp("short") / "short.parquet"), rows=8 * BATCHES)
+
+
+def test_data_running_out_fails_after_a_final_checkpoint_and_a_second_run_is_refused(tmp_path, short_data):
+  flags = (f"steps={STEPS}", "enable_checkpointing=true", "checkpoint_period=100", "enable_tensorboard=false")
+  first = runs.start(tmp_path, short_data, "run", "first.jsonl", *flags)
+  time.sleep(1.0)  # the issue's case: the same run started again moments later
+  second = runs.start(tmp_path, short_data, "run", "second.jsonl", *flags)
+  (rc1, log1), (rc2, log2) = runs.finish(first, tmp_path, "first.jsonl"), runs.finish(second, tmp_path, "second.jsonl")
+  (ran, ran_log, ran_metrics), (refused, refused_log) = (
+      ((rc1, log1, "first.jsonl"), (rc2, log2)) if "in use by another" in log2 else ((rc2, log2, "second.jsonl"), (rc1, log1)))
+  line = runs.temoe_lines(refused_log)
+  assert refused == 2 and len(line) == 1, refused_log[-3000:]
+  assert f"run directory {tmp_path / 'run'} is in use by another temoe train (pid" in line[0]
+  assert "pass another run_name" in line[0] and "completed step" not in refused_log
+
+  assert ran == 1, ran_log[-3000:]
+  assert ran_log.strip().splitlines()[-1] == (
+      f"temoe: training stopped at step {BATCHES} of {STEPS}: the training data ran out (grain_train_files has "
+      f"fewer batches than steps asks for); checkpoint step {BATCHES - 1} saved.")
+  assert runs.finalized_steps(tmp_path / "run" / "checkpoints") == [0, BATCHES - 1]  # on start, and the final one
+  assert sorted(runs.losses(tmp_path / ran_metrics)) == list(range(BATCHES))
+  assert not (tmp_path / "run" / lock.LOCK_NAME).exists()  # released at the end
+
+
+def test_a_nan_state_is_never_checkpointed(tmp_path, smoke_data):
+  """A learning rate that overflows the weights: the step-0 checkpoint stays the latest, the run stops."""
+  rc, log = runs.finish(runs.start(tmp_path, smoke_data, "run", "nan.jsonl", "steps=6", "enable_checkpointing=true",
+                                   "checkpoint_period=2", "save_checkpoint_on_start=true", "learning_rate=1e30",
+                                   "warmup_steps_fraction=0", "enable_tensorboard=false"), tmp_path, "nan.jsonl")
+  assert rc == 1, log[-3000:]
+  last = log.strip().splitlines()[-1]
+  assert last.startswith("temoe: the train state after step ") and "has NaN/Inf values (in " in last, log[-3000:]
+  good = runs.finalized_steps(tmp_path / "run" / "checkpoints")
+  assert good and f"the latest checkpoint (step {good[-1]}) is the last good one" in last
+  assert f"after step {good[-1]} " not in last
+
+
+@pytest.fixture
+def small_filesystem(tmp_path):
+  """A 6 MiB tmpfs: room for one smoke checkpoint (3.5 MiB) and not two. Needs root (CI runs as root)."""
+  mount = tmp_path / "small"
+  mount.mkdir()
+  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)], capture_output=True, text=True,
+                        check=False) if shutil.which("mount") else None
+  if made is None or made.returncode:
+    pytest.skip(f"cannot mount a small tmpfs here: {made.stderr.strip() if made else 'no mount command'}")
+  yield mount
+  subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_filesystem_stops_the_run_with_one_line_and_resume_is_refused(tmp_path, smoke_data, small_filesystem):
+  flags = ("steps=6", "enable_checkpointing=true", "checkpoint_period=2", "save_checkpoint_on_start=true",
+           "enable_tensorboard=false")
+  command = [*runs.command(small_filesystem, smoke_data, "run", "x", *flags)]
+  command[command.index(f"metrics_file={small_filesystem / 'x'}")] = f"metrics_file={tmp_path / 'full.jsonl'}"
+  start = time.monotonic()
+  proc = subprocess.run(command, cwd=runs.ROOT, capture_output=True, text=True, timeout=600, check=False)
+  log = proc.stdout + proc.stderr
+  assert proc.returncode == 1 and time.monotonic() - start < 300, log[-3000:]
+  last = log.strip().splitlines()[-1]
+  assert last.startswith("temoe: the checkpoint of step ") and "No space left on device" in last, log[-3000:]
+  assert "nothing of it is listed as a step (the latest committed one is step 0)" in last
+  assert runs.finalized_steps(small_filesystem / "run" / "checkpoints") == [0]
+
+  resumed = subprocess.run(command, cwd=runs.ROOT, capture_output=True, text=True, timeout=600, check=False)
+  lines = runs.temoe_lines(resumed.stderr)
+  assert resumed.returncode == 2 and len(lines) == 1, resumed.stderr[-3000:]
+  assert "MiB free, less than one checkpoint of this run" in lines[0]
+  assert pathlib.Path(small_filesystem / "run" / lock.LOCK_NAME).exists() is False

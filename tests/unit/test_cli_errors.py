@@ -1,0 +1,216 @@
+"""Every bad input gets one line and exit code 2, before anything compiles: a table of
+input -> exit code -> the line, run through `temoe.cli.main` in this process (a subprocess for a
+few rows, to see the whole output). README's bad-input table is `render_table()` of `ROWS`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+import pytest
+
+from conftest import SMOKE, run_temoe
+from temoe import cli
+from temoe.run import lock
+
+I671B = "configs/deepseek3-671b-h100x1024.yml"
+
+# (command, arguments, exit code, text of the one line). For `train`, the arguments follow
+# `temoe train configs/deepseek3-smoke.yml base_output_directory=<tmp>/out run_name=bad
+# grain_train_files=<smoke data>` (an argument of the row replaces the default of its key);
+# `{tmp}` is a folder of broken inputs (see `broken_inputs`); a `.yml` first argument replaces the config.
+ROWS = [
+    ("train", ["te_moe_blok=true"], 2, "unknown config key 'te_moe_blok'; did you mean te_moe_block"),
+    ("train", ["foo"], 2, "'foo' is not a key=value setting; usage: temoe train <config.yml>"),
+    ("train", ["--help"], 2, "'--help' is not a key=value setting"),
+    ("train", ["te_moe_block=maybe"], 2, "te_moe_block=maybe is not a boolean; valid choices: true, false"),
+    ("train", ["enable_checkpointing=sometimes"], 2, "enable_checkpointing=sometimes is not a boolean"),
+    ("train", ["steps=0"], 2, "steps=0 must be greater than 0"),
+    ("train", ["per_device_batch_size=0"], 2, "per_device_batch_size=0 must be greater than 0"),
+    ("train", ["per_device_batch_size=-2"], 2, "per_device_batch_size=-2 must be greater than 0"),
+    ("train", ["max_target_length=0"], 2, "max_target_length=0 must be greater than 0"),
+    ("train", ["override_model_config=true", "num_experts_per_tok=17"], 2,
+     "num_experts_per_tok=17 must be between 1 and num_experts=16"),
+    ("train", ["override_model_config=true", "n_routing_groups=3"], 2,
+     "num_experts=16 is not divisible by n_routing_groups=3"),
+    ("train", ["override_model_config=true", "topk_routing_group=5"], 2,
+     "topk_routing_group=5 must be between 1 and n_routing_groups=4"),
+    ("train", ["ici_fsdp_parallelism=2"], 2, "the mesh (ici_fsdp_parallelism=2, dcn_data_parallelism=-1) does not fit the 1 device(s)"),
+    ("train", ["run_name=../escape"], 2, "run_name='../escape' must be one directory name"),
+    ("train", ["metrics_file={tmp}/a-file/metrics.jsonl"], 2, "metrics_file={tmp}/a-file/metrics.jsonl cannot be written"),
+    ("train", ["grain_train_files={tmp}/truncated.parquet"], 2, "truncated.parquet is not a readable Parquet file"),
+    ("train", ["grain_train_files={tmp}/text.parquet"], 2, "text.parquet is not a readable Parquet file"),
+    ("train", ["grain_train_files={tmp}"], 2, "is a directory; pass the files in it"),
+    ("train", ["grain_train_files={tmp}/empty.parquet"], 2, "empty.parquet is empty (0 bytes)"),
+    ("train", ["grain_train_files={tmp}/none-*.parquet"], 2, "none-*.parquet matches no file"),
+    ("train", ["grain_train_files={tmp}/no-rows.parquet"], 2, "holds no rows"),
+    ("train", ["train_data_columns=['text']"], 2, "has no column text (train_data_columns)"),
+    ("train", ["run_name=locked"], 2, "is in use by another temoe train (pid"),
+    ("train", ["{tmp}/missing.yml"], 2, "config {tmp}/missing.yml does not exist"),
+    ("plan", ["{tmp}/missing.yml"], 2, "{tmp}/missing.yml is not a config YAML file (no such file)"),
+    ("train", ["{tmp}/invalid.yml"], 2, "config {tmp}/invalid.yml is not valid YAML at line 2, column 1"),
+    ("train", ["{tmp}/empty.yml"], 2, "config {tmp}/empty.yml is empty"),
+    ("train", ["{tmp}/no-base.yml"], 2, "has no base_config; add `base_config: base.yml`"),
+    ("train", ["{tmp}/missing-base.yml"], 2, "base_config: nothere.yml of {tmp}/missing-base.yml is neither beside it"),
+    ("train", ["{tmp}/list.yml"], 2, "holds a YAML list, not a mapping"),
+    ("train", ["{tmp}/dir.yml"], 2, "config {tmp}/dir.yml is not a file"),
+    ("train", ["{tmp}/typo.yml"], 2, "unknown config key 'te_moe_blok'; did you mean te_moe_block"),
+    ("plan", ["{tmp}/empty.yml"], 2, "config {tmp}/empty.yml is empty"),
+    ("plan", [SMOKE, "te_moe_blok=true"], 2, "unknown config key 'te_moe_blok'"),
+    ("plan", [I671B], 2, "pass its --devices N and --slices N"),
+    ("profile", [SMOKE, "--steps", "0"], 2, "--steps=0 must be at least 1"),
+    ("profile", ["{tmp}/invalid.yml"], 2, "is not valid YAML"),
+    ("data", ["--rows", "0", "--out", "{tmp}/new.parquet"], 2, "--rows=0 must be at least 1"),
+    ("data", ["--out", "{tmp}"], 2, "is a directory; pass a file path"),
+    ("data", ["--out", "{tmp}/text.parquet"], 2, "exists and is not a readable Parquet file"),
+    ("report", ["{tmp}/nothere"], 2, "{tmp}/nothere is not a run directory"),
+    ("report", ["{tmp}/empty.yml"], 2, "is not a run directory (it is a file"),
+    ("report", ["{tmp}", "--config", "{tmp}/empty.yml"], 2, "--config: config {tmp}/empty.yml is empty"),
+    ("summary", ["{tmp}/nothere.jsonl"], 2, "is not a metrics file"),
+]
+
+
+@pytest.fixture(scope="module")
+def broken_inputs(tmp_path_factory, smoke_data) -> dict:
+  """A folder of broken inputs (the `{tmp}` of ROWS) and the smoke data path."""
+  tmp = tmp_path_factory.mktemp("broken")
+  files = {
+      "empty.yml": "", "invalid.yml": "steps: [1\n", "no-base.yml": "steps: 3\n",
+      "missing-base.yml": "base_config: nothere.yml\n", "list.yml": "- 1\n- 2\n",
+      "typo.yml": f"base_config: {SMOKE}\nte_moe_blok: true\n", "text.parquet": "tokens\n1,2,3\n",
+      "empty.parquet": "",
+  }
+  for name, text in files.items():
+    (tmp / name).write_text(text)
+  (tmp / "dir.yml").mkdir()
+  (tmp / "a-file").write_text("")
+  good = pathlib.Path(smoke_data).read_bytes()
+  (tmp / "truncated.parquet").write_bytes(good[: len(good) // 2])
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+  pq.write_table(pa.table({"tokens": pa.array([], type=pa.list_(pa.int32()))}), tmp / "no-rows.parquet")
+  held = tmp / "out" / "locked"
+  held.mkdir(parents=True)
+  (held / lock.LOCK_NAME).write_text(json.dumps(lock.holder_info()))  # this live process holds it
+  return {"tmp": str(tmp), "data": smoke_data}
+
+
+def argv(command: str, args: list[str], where: dict) -> list[str]:
+  """The full command line of a row."""
+  args = [a.format(**where) for a in args]
+  if command != "train":
+    return [command, *args]
+  config = args.pop(0) if args and args[0].endswith(".yml") else SMOKE
+  settings = {"base_output_directory": f"{where['tmp']}/out", "run_name": "bad", "grain_train_files": where["data"]}
+  rest = []
+  for arg in args:
+    key = arg.split("=", 1)[0]
+    if "=" in arg and key in settings:
+      settings[key] = arg.split("=", 1)[1]
+    else:
+      rest.append(arg)
+  return ["train", config, *(f"{k}={v}" for k, v in settings.items()), *rest]
+
+
+def run_row(command: str, args: list[str], where: dict, capsys) -> tuple[int, list[str], str]:
+  """(exit code, temoe's lines on stderr, all of stderr) of one row, in this process."""
+  full = argv(command, args, where)
+  if command == "summary":
+    from temoe.tools import summary  # pylint: disable=import-outside-toplevel
+
+    code = summary.main(full[1:])
+  else:
+    code = cli.main(full)
+  err = capsys.readouterr().err
+  return code, [line for line in err.splitlines() if line.startswith("temoe")], err
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{c} {' '.join(a)}" for c, a, _, _ in ROWS])
+def test_bad_input_gets_one_line(row, broken_inputs, capsys):
+  command, args, code, text = row
+  got, lines, err = run_row(command, args, broken_inputs, capsys)
+  expected = text.format(**broken_inputs)
+  assert got == code, err[-3000:]
+  assert len(lines) == 1 and expected in lines[0], err[-3000:]
+  assert "Traceback" not in err and "MAXTEXT CONFIG ERROR" not in err
+  assert not (pathlib.Path(broken_inputs["tmp"]) / "out" / "bad" / "checkpoints").exists()
+  assert not (pathlib.Path(broken_inputs["tmp"]) / "escape").exists()
+
+
+SUBPROCESS_ROWS = [r for r in ROWS if r[0] == "train" and r[1][0] in ("te_moe_blok=true", "steps=0", "{tmp}/missing.yml")]
+
+
+@pytest.mark.parametrize("row", SUBPROCESS_ROWS, ids=[r[1][0] for r in SUBPROCESS_ROWS])
+def test_a_subprocess_prints_only_the_line(row, broken_inputs):
+  """The whole output: no MaxText error block, no field list, no traceback; the line is the last."""
+  command, args, code, text = row
+  result = run_temoe(*argv(command, args, broken_inputs))
+  assert result.returncode == code, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == [l for l in result.stderr.splitlines() if l.startswith("temoe")][0]
+  assert text.format(**broken_inputs) in result.stderr.strip().splitlines()[-1]
+  assert "MAXTEXT CONFIG ERROR" not in result.stderr and "Traceback" not in result.stderr
+  assert "'emb_dim'" not in result.stderr  # MaxText's list of every field
+
+
+def test_lock_holder_info_names_who_and_where(tmp_path):
+  held = lock.acquire(str(tmp_path / "run"))
+  try:
+    with pytest.raises(lock.RunLocked, match=r"in use by another temoe train \(pid \d+ on .*, started 20"):
+      lock.acquire(str(tmp_path / "run"))
+  finally:
+    held.release()
+  assert not (tmp_path / "run" / lock.LOCK_NAME).exists()
+  dead = {**lock.holder_info(), "pid": 2**22 + 17}  # no such process
+  (tmp_path / "run" / lock.LOCK_NAME).write_text(json.dumps(dead))
+  taken = lock.acquire(str(tmp_path / "run"))  # a stale lock is taken over
+  assert json.loads((tmp_path / "run" / lock.LOCK_NAME).read_text())["pid"] == os.getpid()
+  taken.release()
+
+
+def test_other_host_lock_is_stale_only_without_heartbeat(tmp_path):
+  me = lock.holder_info()
+  other = {**me, "host": "elsewhere", "slurm_job": None}
+  assert lock.stale_reason(other, lock.STALE_S - 1, me) is None
+  assert "not refreshed" in lock.stale_reason(other, lock.STALE_S + 1, {**me, "slurm_job": None})
+  assert "earlier attempt" in lock.stale_reason({**other, "slurm_job": "7"}, 0, {**me, "slurm_job": "7"})
+
+
+def test_metrics_with_a_cut_line_and_a_resume_count_each_step_once(tmp_path):
+  from temoe.tools import report, summary  # pylint: disable=import-outside-toplevel
+
+  def row(step, loss):
+    return json.dumps({"step": float(step), "learning/loss": loss, "perf/per_device_tokens_per_sec": 100.0,
+                       "perf/step_time_seconds": 0.1, "perf/per_device_tflops_per_sec": 0.01})
+
+  first = "\n".join(row(s, 6.0 - s * 0.1) for s in range(6)) + "\n" + row(6, 5.4)[:25]  # SIGKILL mid-line
+  resumed = "\n".join(row(s, 5.0 - s * 0.1) for s in range(4, 9)) + "\n"  # resumed from checkpoint 3
+  path = tmp_path / "metrics.jsonl"
+  path.write_text(first + resumed)
+  rows = report.read_metrics(str(path))
+  assert [int(r["step"]) for r in rows] == list(range(9))
+  assert rows[4]["learning/loss"] == 5.0 - 0.4  # the resumed run's value
+  assert summary.summarize(str(path)).startswith("temoe run: 9 steps, loss 6.000 -> 4.200")
+  assert report.main([str(tmp_path), "--out", str(tmp_path / "report")]) == 0
+
+
+def render_table(rows=ROWS) -> str:
+  """README's bad-input table: one row per ROWS entry (placeholders as <tmp>/..., the smoke config as smoke.yml)."""
+  def shown(command, args):
+    text = " ".join(a.replace("{tmp}/", "").replace("{tmp}", "<dir>").replace(SMOKE, "smoke.yml") for a in args)
+    if command == "train" and not (args and args[0].endswith(".yml")):
+      text = f"smoke.yml {text}"
+    return f"temoe {command} {text}" if command != "summary" else f"python -m temoe.tools.summary {text}"
+
+  lines = ["| input | exit | the one line (excerpt) |", "|---|---|---|"]
+  for command, args, code, text in rows:
+    cell = text.replace("{tmp}/", "").replace("{tmp}", "<dir>").replace("|", "\\|")
+    cell = cell.replace("<", "&lt;").replace(">", "&gt;")
+    lines.append(f"| `{shown(command, args)}` | {code} | {cell} |")
+  return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+  print(render_table(), end="")
