@@ -1,12 +1,17 @@
 """Compares temoe's block with MaxText's native dropless MoE on this process's devices.
 
 Same config but for `te_moe_block`, same seed, so both layers hold the same parameters; fresh
-random inputs each call. `python parity_check.py ROUTER [key=value ...]` prints the comparison as
-JSON (the multi-device tests run it in a process with several host devices).
+random inputs each call. `CASES` is the parity matrix: MaxText's routed-MoE model families at
+tiny dims, routed-only (`RoutedMoE`) and with shared experts (`RoutedAndSharedMoE`) where the
+family has them, plus skewed routing (one expert takes nearly all tokens, others none).
+`python parity_check.py CASE[,CASE...] [key=value ...] [--native key=value ...]` prints one
+comparison per case as JSON (the multi-device tests run it in a process with several host devices).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import secrets
 
 import jax
@@ -16,30 +21,65 @@ from flax import nnx
 
 from conftest import maxtext_config
 
-ROUTERS = {
-    # DeepSeek-V3: sigmoid scores, routed bias + its loss-free update, 4 groups / top-2 groups,
-    # top-4 experts, routed_scaling_factor 2.5, aux loss on.
-    "deepseek3": (),
-    # Mixtral-style: softmax over the top-2 logits, no bias, no groups, aux loss on.
-    "softmax_top2": (
-        "model_name=default",
-        "decoder_block=mixtral",
-        "base_emb_dim=64",
-        "base_moe_mlp_dim=32",
-        "base_mlp_dim=32",
-        "base_num_query_heads=4",
-        "base_num_kv_heads=4",
-        "base_num_decoder_layers=2",
-        "num_experts=8",
-        "num_experts_per_tok=2",
-        "routed_score_func=''",
-        "routed_bias=false",
-        "routed_bias_update_rate=0.0",
-        "n_routing_groups=-1",
-        "topk_routing_group=-1",
-        "load_balance_loss_weight=0.01",
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One parity case: config overrides and how the layer and its inputs are set up."""
+
+  overrides: tuple[str, ...] = ()
+  shared: bool = False  # RoutedAndSharedMoE (routed + MaxText's shared-expert MLP) instead of RoutedMoE
+  skewed: bool = False  # gate and inputs set so one expert takes nearly all tokens and two take none
+  expert_scale: bool = False  # non-unit per_expert_scale (the Gemma4 parameter)
+  megatron_seam: bool = False  # the train step's view of the Megatron seq aux loss, as the seam installs it
+
+
+# The families' own routing keys, at tiny dims (the models/*.yml shapes are far too big for CPU).
+_DEFAULT = ("model_name=default", "base_emb_dim=64", "base_mlp_dim=32", "base_moe_mlp_dim=32",
+            "base_num_query_heads=4", "base_num_kv_heads=4", "base_num_decoder_layers=2",
+            "routed_bias=false", "routed_bias_update_rate=0.0", "n_routing_groups=-1", "topk_routing_group=-1")
+_SOFTMAX_TOPK = (*_DEFAULT, "routed_score_func=''", "num_experts=16", "num_experts_per_tok=4",
+                 "load_balance_loss_weight=0.01")
+DEEPSEEK3 = ()  # deepseek3-smoke: sigmoid, routed bias + loss-free update, 4 groups / top-2, top-4, x2.5
+DEEPSEEK2 = (*_DEFAULT, "decoder_block=deepseek", "routed_score_func=softmax", "num_experts=16",
+             "num_experts_per_tok=4", "routed_scaling_factor=2.0", "load_balance_loss_weight=0.01",
+             "shared_experts=2")
+DEEPSEEK4 = ("override_model_config=true", "decoder_block=deepseek4", "routed_score_func=sqrtsoftplus",
+             "norm_topk_prob=true", "mlp_activations_limit=0.5", "routed_scaling_factor=1.5",
+             "n_routing_groups=-1", "topk_routing_group=-1")
+KIMI_K2 = ("override_model_config=true", "n_routing_groups=-1", "topk_routing_group=-1",
+           "routed_scaling_factor=2.827")
+MIXTRAL = (*_DEFAULT, "decoder_block=mixtral", "routed_score_func=''", "num_experts=8", "num_experts_per_tok=2",
+           "load_balance_loss_weight=0.01")
+QWEN3_MOE = (*_SOFTMAX_TOPK, "decoder_block=qwen3_moe", "norm_topk_prob=true")
+GPT_OSS = (*_SOFTMAX_TOPK, "decoder_block=gpt_oss", "routed_bias=true", "mlp_bias=true",
+           "mlp_activations=['sigmoid','linear']", "mlp_activations_limit=1.0")
+ENVY = (*_DEFAULT, "decoder_block=envy", "routed_score_func=''", "num_experts=8", "num_experts_per_tok=1",
+        "load_balance_loss_weight=0.01")
+
+CASES = {
+    "deepseek3": Case(DEEPSEEK3),
+    "deepseek3_shared_skewed": Case(DEEPSEEK3, shared=True, skewed=True),
+    "deepseek3_megatron_aux_grad_accum": Case(
+        (*DEEPSEEK3, "moe_use_megatron_seq_aux_loss=true", "gradient_accumulation_steps=2"), megatron_seam=True
     ),
+    "kimi_k2_shared": Case(KIMI_K2, shared=True),
+    "deepseek2": Case(DEEPSEEK2),
+    "deepseek2_shared_skewed": Case(DEEPSEEK2, shared=True, skewed=True),
+    "deepseek4": Case(DEEPSEEK4),
+    "deepseek4_shared_skewed": Case(DEEPSEEK4, shared=True, skewed=True),
+    "mixtral": Case(MIXTRAL),
+    "mixtral_skewed": Case(MIXTRAL, skewed=True),
+    "qwen3_moe": Case(QWEN3_MOE),
+    "qwen3_custom_moe": Case((*_SOFTMAX_TOPK, "decoder_block=qwen3_custom_moe", "norm_topk_prob=true")),
+    "qwen3_next_skewed": Case((*_SOFTMAX_TOPK, "decoder_block=qwen3_next", "norm_topk_prob=true"), skewed=True),
+    "qwen3_5": Case((*_SOFTMAX_TOPK, "decoder_block=qwen3_5", "norm_topk_prob=true")),
+    "gpt_oss_skewed": Case(GPT_OSS, skewed=True),
+    "envy": Case(ENVY),
+    # Gemma4's decoder is refused with te_moe_block (it routes on separate gate inputs), but its
+    # per_expert_scale is checked here, at the block: applied once, as native does.
+    "gemma4_expert_scale": Case((*_SOFTMAX_TOPK, "decoder_block=gemma4", "norm_topk_prob=true"), expert_scale=True),
 }
+ROUTERS = ("deepseek3", "mixtral")  # the cases the multi-device tests run
 
 
 def relative_error(a, b) -> float:
@@ -47,18 +87,31 @@ def relative_error(a, b) -> float:
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def build(cfg, seed: int):
-  """MaxText's RoutedMoE for `cfg` on a mesh of this process's devices."""
+def routed(layer):
+  """The RoutedMoE inside `layer` (itself, or a RoutedAndSharedMoE's)."""
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+  return layer.routed_moe if isinstance(layer, moe.RoutedAndSharedMoE) else layer
+
+
+def build(cfg, seed: int, shared: bool = False):
+  """MaxText's RoutedMoE (or RoutedAndSharedMoE) for `cfg` on a mesh of this process's devices."""
   from maxtext.layers import initializers, moe  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
   mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
+  init = initializers.nd_dense_init(1.0, "fan_in", "truncated_normal")
+  if shared:
+    return moe.RoutedAndSharedMoE(
+        config=cfg, mesh=mesh, kernel_init=init, kernel_axes=("embed", None), weight_dtype=cfg.weight_dtype,
+        dtype=cfg.dtype, rngs=nnx.Rngs(params=seed),
+    ), mesh
   layer = moe.RoutedMoE(
       config=cfg,
       num_experts=cfg.num_experts,
       num_experts_per_tok=cfg.num_experts_per_tok,
       mesh=mesh,
-      kernel_init=initializers.nd_dense_init(1.0, "fan_in", "truncated_normal"),
+      kernel_init=init,
       kernel_axes=("embed", None),
       intermediate_dim=cfg.moe_mlp_dim,
       weight_dtype=cfg.weight_dtype,
@@ -97,6 +150,47 @@ def _forward_and_grads(layer, mesh, x, cotangent):
   return out, lb_loss, bias_updates, grads, sown
 
 
+@contextlib.contextmanager
+def megatron_seam():
+  """MaxText's `uses_megatron_seq_aux_loss` as temoe's seam installs it, for the config check."""
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+  from temoe.maxtext import router  # pylint: disable=import-outside-toplevel
+
+  original = moe.uses_megatron_seq_aux_loss
+  moe.uses_megatron_seq_aux_loss = router.uses_megatron_seq_aux_loss
+  try:
+    yield
+  finally:
+    moe.uses_megatron_seq_aux_loss = original
+
+
+def skew(layers, x, rng):
+  """Gate kernels and inputs such that expert 0 wins nearly every token and the last two none:
+  every input gets the same component along a direction `u` the gate kernels weigh +-3."""
+  emb = x.shape[-1]
+  u = rng.standard_normal(emb)
+  u /= np.linalg.norm(u)
+  for layer in layers:
+    gate = routed(layer).gate
+    kernel = np.array(gate.kernel[...])
+    kernel[:, 0] += 3.0 * u
+    kernel[:, -2:] -= 3.0 * u[:, None]
+    gate.kernel[...] = jnp.asarray(kernel, gate.kernel[...].dtype)
+  u = jnp.asarray(u, x.dtype)
+  return x - (x @ u)[..., None] * u + 3.0 * u
+
+
+def expert_counts(layer, mesh, x) -> list[int]:
+  """Tokens per expert as MaxText's own router (GateLogit + get_topk) assigns them."""
+  from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
+
+  moe = routed(layer)
+  with nn_partitioning.axis_rules(moe.config.logical_axis_rules), jax.set_mesh(mesh):
+    experts = jax.jit(lambda x: moe.get_topk(*moe.gate(x))[1])(x)
+  return np.bincount(np.asarray(experts).ravel(), minlength=moe.num_experts).tolist()
+
+
 def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = None) -> dict:
   """Forward, aux loss, bias update and gradients of both blocks: relative errors and checks.
 
@@ -104,13 +198,15 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   MaxText's block (whose expert-parallel path does not run on CPU), so temoe's EP layout is
   checked against MaxText's data-parallel one: same parameters, same math, other sharding.
   """
+  case = CASES[router]
   seed = secrets.randbits(31)
-  common = ("dtype=float32", "weight_dtype=float32", "matmul_precision=highest", *ROUTERS[router])
+  common = ("dtype=float32", "weight_dtype=float32", "matmul_precision=highest", *case.overrides)
   native_cfg = maxtext_config("te_moe_block=false", *common, *(extra if native_extra is None else native_extra))
-  temoe_cfg = maxtext_config("te_moe_block=true", *common, *extra)
-  native, native_mesh = build(native_cfg, seed)
-  ours, mesh = build(temoe_cfg, seed)
-  report = {"seed": seed, "devices": int(mesh.size), "mesh": dict(mesh.shape)}
+  with megatron_seam() if case.megatron_seam else contextlib.nullcontext():
+    temoe_cfg = maxtext_config("te_moe_block=true", *common, *extra)
+  native, native_mesh = build(native_cfg, seed, case.shared)
+  ours, mesh = build(temoe_cfg, seed, case.shared)
+  report = {"case": router, "seed": seed, "devices": int(mesh.size), "mesh": dict(mesh.shape)}
 
   native_params = nnx.state(native, nnx.Param)
   our_params = nnx.state(ours, nnx.Param)
@@ -119,14 +215,23 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
       a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(a, b))
       for a, b in zip(jax.tree.leaves(native_params), jax.tree.leaves(our_params))
   )
+  key = jax.random.key(seed + 1)
   if native_cfg.routed_bias:  # a trained bias, so routing depends on it
-    bias = jax.random.normal(jax.random.key(seed + 1), ours.gate.bias.shape) * 0.05
-    native.gate.bias.value, ours.gate.bias.value = bias, bias
+    bias = jax.random.normal(key, routed(ours).gate.bias.shape) * 0.05
+    routed(native).gate.bias.value, routed(ours).gate.bias.value = bias, bias
+  if case.expert_scale:  # a trained per-expert scale, far from its initial ones
+    scale = jax.random.uniform(jax.random.fold_in(key, 1), routed(ours).per_expert_scale.shape, minval=0.5, maxval=2.0)
+    routed(native).per_expert_scale.value, routed(ours).per_expert_scale.value = scale, scale
+  report["expert_scale"] = None if routed(ours).per_expert_scale is None else float(
+      jnp.std(routed(ours).per_expert_scale.value))
 
   rng = np.random.default_rng(seed)
   batch = max(4, int(mesh.size))
   x = jnp.asarray(rng.standard_normal((batch, 32, native_cfg.emb_dim)), jnp.float32)
+  if case.skewed:
+    x = skew((native, ours), x, rng)
   cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  report["expert_counts"] = expert_counts(native, native_mesh, x)
   n_out, n_lb, n_bias, n_grads, _ = forward_and_grads(native, native_mesh, x, cotangent)
   t_out, t_lb, t_bias, t_grads, sown = forward_and_grads(ours, mesh, x, cotangent)
 
@@ -136,7 +241,8 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   report["lb_loss_present"] = [n_lb is not None, t_lb is not None]
   report["bias_update_present"] = [n_bias is not None, t_bias is not None]
   report["bias_update_equal"] = (
-      None if n_bias is None or t_bias is None else bool(np.array_equal(np.ravel(t_bias), np.ravel(n_bias)))
+      None if n_bias is None or t_bias is None
+      else bool(np.array_equal(np.ravel(t_bias), np.ravel(n_bias)) and np.asarray(t_bias).dtype == np.asarray(n_bias).dtype)
   )
   report["dx"] = relative_error(t_grads[1], n_grads[1])
   n_flat = {jax.tree_util.keystr(p): g for p, g in jax.tree_util.tree_leaves_with_path(n_grads[0])}
@@ -148,6 +254,8 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   report["received"] = [int(v) for k, v in named.items() if "te_moe_total_recv_tokens" in k]
   report["overflow"] = [bool(v) for k, v in named.items() if "te_moe_capacity_overflow" in k]
   report["routed_rows"] = batch * 32 * temoe_cfg.num_experts_per_tok
+  report["top_k"] = temoe_cfg.num_experts_per_tok
+  report["routed_bias_update"] = bool(native_cfg.routed_bias and native_cfg.routed_bias_update_rate > 0)
   return report
 
 
@@ -158,4 +266,5 @@ if __name__ == "__main__":
   args = sys.argv[2:]
   split = args.index("--native") if "--native" in args else len(args)
   native = tuple(args[split + 1 :]) if split < len(args) else None
-  print("PARITY " + json.dumps(compare(sys.argv[1], *args[:split], native_extra=native)))
+  for name in sys.argv[1].split(","):
+    print("PARITY " + json.dumps(compare(name, *args[:split], native_extra=native)), flush=True)
