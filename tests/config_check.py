@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-GPUS = {  # device kind, compute capability, cuBLAS a current NGC image ships
-    "gb200": ("NVIDIA GB200", (10, 0), (13, 4, 0)),
-    "h100": ("NVIDIA H100 80GB HBM3", (9, 0), (13, 4, 0)),
-}
+from temoe import hardware  # no JAX import: XLA_FLAGS below still apply
+
+STAND_IN_CUBLAS = (13, 4, 0)  # what a current NGC image ships; only the recipe checks read it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,17 +38,17 @@ def main() -> None:
   parser.add_argument("--nodes", type=int, default=1)
   parser.add_argument("--gpus-per-node", type=int, default=1)
   parser.add_argument("--slices", type=int)
-  parser.add_argument("--gpu", choices=GPUS)
+  parser.add_argument("--gpu", choices=sorted(hardware.GPUS))
   args, overrides = parser.parse_known_args()
   devices = args.nodes * args.gpus_per_node
   os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   sys.path.insert(0, os.path.dirname(__file__))
   from conftest import maxtext_config  # pylint: disable=import-outside-toplevel
   from temoe.tools import model_size  # pylint: disable=import-outside-toplevel
-  from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   if args.gpu:
-    kind, cc, cublas = GPUS[args.gpu]
+    gpu = hardware.GPUS[args.gpu]
+    kind, cc, cublas = gpu.device_kind, gpu.compute_capability, STAND_IN_CUBLAS
     target = hardware.Platform("gpu", kind, cc, "2.20.2", None, cublas)
     hardware.detect = lambda: target
   slices = args.slices or args.nodes
@@ -63,7 +62,7 @@ def main() -> None:
   stand_ins = None
   if args.gpu:
     per_slice = devices // slices
-    stand_ins = [GpuStandIn(i, i, i // per_slice, GPUS[args.gpu][0]) for i in range(devices)]
+    stand_ins = [GpuStandIn(i, i, i // per_slice, hardware.GPUS[args.gpu].device_kind) for i in range(devices)]
   try:
     mesh = maxtext_utils.create_device_mesh(config, stand_ins)
   except (ValueError, AssertionError) as exc:

@@ -1,4 +1,5 @@
-"""What this process can run: its accelerator, Transformer Engine, and the cuBLAS under it.
+"""What this process can run (its accelerator, Transformer Engine, the cuBLAS under it), and the one
+catalog of the GPUs temoe plans for (peaks, HBM, architecture).
 
 Read once per process (`detect()` is cached) so config validation, the block and `temoe doctor`
 agree. Nothing here compiles or allocates on a device.
@@ -13,12 +14,41 @@ import glob
 import importlib.util
 import os
 
-def grouped_gemm_min_cublas(compute_capability: tuple[int, int] | None) -> tuple[int, int]:
-  """The run-time cuBLAS(Lt) TE 2.20's bf16 grouped GEMM kernel (nvte_grouped_gemm) needs.
+@dataclasses.dataclass(frozen=True)
+class GPU:
+  """One GPU temoe plans for: how JAX names it, its architecture, nominal HBM and dense peaks."""
 
-  TE's own check (check_grouped_gemm_requirements) asks 13.4 on Hopper (sm_90), 13.3 on Blackwell.
-  """
-  return (13, 4) if (compute_capability or (9, 0)) < (10, 0) else (13, 3)
+  name: str  # --gpu value
+  device_kind: str  # jax.Device.device_kind
+  compute_capability: tuple[int, int]
+  hbm_gib: float
+  bf16_tflops: float  # dense (no 2:4 sparsity) tensor-core peak
+  fp8_tflops: float  # FP8 and MXFP8 run at the same rate
+
+
+# H100 SXM5: bf16 989.4, fp8 1978.9 (NVIDIA H100 datasheet, as tabulated at
+# glennklockwood.com/garden/processors/h100); H200 SXM is the same GH100 compute with more HBM.
+# B200 (HGX, 1000 W): bf16 2250, fp8 4500; GB200 (NVL72, 1200 W): bf16 2500, fp8 5000 (NVIDIA's
+# GB200 NVL72 / HGX B200 spec tables: 10 and 9 PFLOPS sparse FP8 per GPU).
+GPUS = {
+    gpu.name: gpu
+    for gpu in (
+        GPU("h100", "NVIDIA H100 80GB HBM3", (9, 0), 80.0, 989.4, 1978.9),
+        GPU("h200", "NVIDIA H200", (9, 0), 141.0, 989.4, 1978.9),
+        GPU("b200", "NVIDIA B200", (10, 0), 180.0, 2250.0, 4500.0),
+        GPU("gb200", "NVIDIA GB200", (10, 0), 186.0, 2500.0, 5000.0),
+    )
+}
+"""--gpu name -> GPU: the one table `temoe plan`, the FLOP/MFU count and the config checks read."""
+
+
+def gpu_of_kind(device_kind: str) -> GPU | None:
+  """The catalog GPU a JAX device_kind such as 'NVIDIA H200' names, or None (PCIe/NVL cards run at
+  lower clocks and are not in the table)."""
+  tokens = device_kind.upper().split()
+  if "PCIE" in tokens or tokens[-1:] == ["NVL"]:
+    return None
+  return next((g for g in GPUS.values() if g.name.upper() in tokens), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,29 +74,17 @@ class Platform:
     cublas = ".".join(map(str, self.cublas_version)) if self.cublas_version else "unknown"
     return f"{self.device_kind} (sm_{cc.replace('.', '')}), {te}, cuBLAS {cublas}"
 
-  def why_not(self, recipe: str) -> str | None:
-    """None if `recipe` runs here with the te backend, else the reason it does not."""
-    from temoe.recipes import MIN_COMPUTE_CAPABILITY  # pylint: disable=import-outside-toplevel
+  def why_not(self, recipe: str, kernel: str = "te") -> str | None:
+    """None if `kernel` computes `recipe` here, else why not (the recipe registry decides)."""
+    from temoe import recipes  # pylint: disable=import-outside-toplevel
 
-    if not self.te_usable:
-      return "the te backend needs a GPU with Transformer Engine."
-    need = MIN_COMPUTE_CAPABILITY.get(recipe)
-    if need and (self.compute_capability or (0, 0)) < need:
-      arch = "Blackwell (sm_100+)" if need >= (10, 0) else "Ada/Hopper (sm_89+)"
-      return f"{recipe} needs {arch}."
-    need_cublas = grouped_gemm_min_cublas(self.compute_capability)
-    if recipe == "te_no_quant" and (self.cublas_version or (0, 0, 0))[:2] < need_cublas:
-      have = ".".join(map(str, self.cublas_version)) if self.cublas_version else "an unknown version"
-      return (
-          f"TE's bf16 grouped GEMM needs cuBLAS >= {'.'.join(map(str, need_cublas))} here, this process "
-          f"loads {have}; use an image with a newer CUDA (NGC JAX images), or te_moe_backend=xla for bf16."
-      )
-    return None
+    return recipes.why_not(recipe, kernel, self)
 
   def runnable_recipes(self) -> tuple[str, ...]:
-    from temoe.recipes import RECIPES  # pylint: disable=import-outside-toplevel
+    """The recipes some GPU kernel computes here."""
+    from temoe import recipes  # pylint: disable=import-outside-toplevel
 
-    return tuple(r for r in RECIPES if self.why_not(r) is None)
+    return recipes.runnable(self)
 
 
 def _te_status() -> tuple[str | None, str | None]:

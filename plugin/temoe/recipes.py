@@ -1,37 +1,80 @@
-"""temoe's flags and recipes, and the checks that turn bad values into one clear error.
+"""The one recipe registry: what each `te_gmm_quantization` value is, which expert kernels implement
+it, and the backend resolution that turns a bad flag into one clear error.
 
-temoe adds one flag to MaxText's schema, `te_moe_backend`, and widens another,
-`te_gmm_quantization`. Every check here runs while MaxText builds its config: before any
-compilation, so a bad flag costs seconds, not a queue slot.
+A recipe says its GEMM precision (operand dtypes and scaling), the oldest GPU it runs on, per expert
+kernel the rows every expert group is padded to, the memory its quantized operand copies take, and
+the relative error against float32 the GPU tests hold it to. Kernels are the modules under
+`temoe.moe.experts` (`xla`, `te`, `mosaic`); `te_moe_backend` picks one or lets `auto` choose the
+first that runs here, in the recipe's order. Every check runs while MaxText builds its config:
+before any compilation, so a bad flag costs seconds, not a queue slot. No JAX import here.
 """
 
 from __future__ import annotations
 
-RECIPES = ("te_no_quant", "te_fp8_current", "te_mxfp8")
-"""Values of `te_gmm_quantization`: bf16 (no quantization), FP8 current scaling, MXFP8."""
+import dataclasses
+import importlib.util
+from typing import Mapping
 
-BACKENDS = ("auto", "te", "xla")
-"""Values of `te_moe_backend`: auto picks `te` on a GPU with Transformer Engine, else `xla`."""
+KERNELS = ("te", "xla", "mosaic")
+"""Expert-MLP kernels (temoe.moe.experts.<name>): Transformer Engine's grouped GEMM, the reference
+`jax.lax.ragged_dot`, temoe's Pallas Mosaic GPU grouped GEMMs for Hopper."""
+
+BACKENDS = ("auto", *KERNELS)
+"""Values of `te_moe_backend`: `auto` picks the first kernel of the recipe that runs here."""
 
 MODELS = ("deepseek3-smoke", "deepseek3-proxy")
 """temoe's model shapes (configs/models/<name>.yml), accepted as `model_name` beside MaxText's."""
 
-FP8_RECIPES = ("te_fp8_current", "te_mxfp8")
+HOPPER, BLACKWELL = (9, 0), (10, 0)
 
-ROW_ALIGNMENT = {
-    # bf16 operands are never physically transposed, so a group's row count is never a cuBLAS
-    # leading dimension: any group size works.
-    "te_no_quant": 1,
-    # Hopper FP8 GEMMs are TN only, so wgrad reads each group's transposed rows: cuBLAS wants that
-    # leading dimension (the group's row count) % 16 == 0 ("Caller must pad").
-    "te_fp8_current": 16,
-    # MXFP8 scales are padded to 128x4 tiles per group; TE's grouped quantize/GEMM need 128-row groups.
-    "te_mxfp8": 128,
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """One `te_gmm_quantization` value."""
+
+  name: str
+  summary: str
+  fwd_dtype: str  # operands of the forward GEMMs (and of wgrad's activations)
+  bwd_dtype: str  # the incoming gradient's operand in dgrad and wgrad
+  scaling: str  # "none", "current" (per-tensor amax of this step) or "mxfp8" (1x32 blocks, E8M0 scales)
+  min_compute_capability: tuple[int, int] | None
+  align: Mapping[str, int]  # kernel -> rows per expert group; its keys, in order, are `auto`'s preference
+  error_bound: tuple[float, float]  # (forward, gradients) relative error vs float32 in tests/gpu
+  operand_bytes: float  # bytes per element of a quantized operand copy, scales included; 0 for none
+
+  @property
+  def fp8(self) -> bool:
+    return self.scaling != "none"
+
+  def quantized_copy_bytes(self, weights: int, rows: int, emb: int, ffn: int) -> float:
+    """Bytes of the quantized operand copies one MoE layer holds while its GEMMs run: the expert
+    weights and their transposes, and the dispatched rows and activations both ways."""
+    return self.operand_bytes * (2 * weights + 2 * rows * (emb + ffn)) if self.fp8 else 0.0
+
+
+# Alignment, per kernel. te: bf16 operands are never physically transposed, so any group size works;
+# Hopper FP8 GEMMs are TN only, so wgrad reads each group's transposed rows and cuBLAS wants that
+# leading dimension % 16 == 0 ("Caller must pad"); MXFP8 scales come in 128x4 tiles per group.
+# mosaic: its tiles are 128 rows and FP8 registers cannot be masked, so groups are whole tiles.
+# Error bounds: measured on the H200 (bench/results/gpu_tests.log) FP8 current scaling forward
+# 0.066-0.116 and gradients 0.080-0.134 (E4M3 forward through two GEMMs, E5M2 gradients through two
+# more); the bounds sit above that with margin for other seeds.
+REGISTRY: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("te_no_quant", "bf16 grouped GEMMs", "bfloat16", "bfloat16", "none", None,
+               {"te": 1, "mosaic": 128, "xla": 1}, (1e-2, 1e-2), 0.0),
+        Recipe("te_fp8_current", "FP8 with current scaling: E4M3 forward, E5M2 gradients", "float8_e4m3fn",
+               "float8_e5m2", "current", (8, 9), {"mosaic": 128, "te": 16}, (0.15, 0.2), 1.0),
+        Recipe("te_mxfp8", "MXFP8: E4M3 with a power-of-two scale per 32 elements", "float8_e4m3fn",
+               "float8_e4m3fn", "mxfp8", BLACKWELL, {"te": 128}, (0.15, 0.2), 1.0 + 1.0 / 32),
+    )
 }
-"""Rows every expert group is padded to by the te backend, per recipe."""
 
-MIN_COMPUTE_CAPABILITY = {"te_fp8_current": (8, 9), "te_mxfp8": (10, 0)}
-"""The oldest GPU each quantized recipe runs on: FP8 needs Ada/Hopper, MXFP8 Blackwell."""
+RECIPES = tuple(REGISTRY)
+"""Values of `te_gmm_quantization`."""
+
+FP8_RECIPES = tuple(name for name, r in REGISTRY.items() if r.fp8)
 
 
 class TemoeConfigError(ValueError):
@@ -40,7 +83,7 @@ class TemoeConfigError(ValueError):
 
 def check_recipe(recipe: str) -> str:
   """Returns `recipe` if temoe knows it, else raises naming the valid recipes."""
-  if recipe not in RECIPES:
+  if recipe not in REGISTRY:
     raise TemoeConfigError(
         f"te_gmm_quantization={recipe!r} is not a temoe recipe; valid choices: {', '.join(RECIPES)}."
     )
@@ -54,9 +97,62 @@ def check_backend(backend: str) -> str:
   return backend
 
 
+def row_alignment(recipe: str, kernel: str) -> int:
+  """Rows every expert group is padded to when `kernel` computes `recipe`."""
+  return REGISTRY[recipe].align[kernel]
+
+
+def grouped_gemm_min_cublas(compute_capability: tuple[int, int] | None) -> tuple[int, int]:
+  """The run-time cuBLAS(Lt) TE 2.20's bf16 grouped GEMM kernel (nvte_grouped_gemm) needs.
+
+  TE's own check (check_grouped_gemm_requirements) asks 13.4 on Hopper (sm_90), 13.3 on Blackwell.
+  """
+  return (13, 4) if (compute_capability or HOPPER) < BLACKWELL else (13, 3)
+
+
+def _arch(cc: tuple[int, int]) -> str:
+  return "Blackwell (sm_100+)" if cc >= BLACKWELL else "Ada/Hopper (sm_89+)"
+
+
+def why_not(recipe: str, kernel: str, platform) -> str | None:
+  """None if `kernel` computes `recipe` on `platform` (a temoe.hardware.Platform), else why not."""
+  r = REGISTRY[recipe]
+  if kernel not in r.align:
+    return f"te_moe_backend={kernel} does not implement {recipe} (it has: {', '.join(r.align)})."
+  if kernel == "xla":
+    return None
+  if platform.device_platform != "gpu":
+    return f"te_moe_backend={kernel} needs a GPU."
+  cc = platform.compute_capability or (0, 0)
+  if r.min_compute_capability and cc < r.min_compute_capability:
+    return f"{recipe} needs {_arch(r.min_compute_capability)}."
+  if kernel == "mosaic":
+    if cc[0] != HOPPER[0]:
+      return "temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); this GPU takes the te backend."
+    if importlib.util.find_spec("jax.experimental.mosaic.gpu") is None:
+      return "this JAX has no Mosaic GPU (jax.experimental.mosaic.gpu)."
+    return None
+  if not platform.te_usable:
+    return "the te backend needs a GPU with Transformer Engine."
+  need_cublas = grouped_gemm_min_cublas(platform.compute_capability)
+  if recipe == "te_no_quant" and (platform.cublas_version or (0, 0, 0))[:2] < need_cublas:
+    have = ".".join(map(str, platform.cublas_version)) if platform.cublas_version else "an unknown version"
+    return (
+        f"TE's bf16 grouped GEMM needs cuBLAS >= {'.'.join(map(str, need_cublas))} here, this process "
+        f"loads {have}; use an image with a newer CUDA (NGC JAX images), or te_moe_backend=auto."
+    )
+  return None
+
+
+def runnable(platform, kernel: str | None = None) -> tuple[str, ...]:
+  """The recipes that run on `platform`: with `kernel`, or with any kernel but the reference."""
+  kernels = (kernel,) if kernel else tuple(k for k in KERNELS if k != "xla")
+  return tuple(r for r in RECIPES if any(why_not(r, k, platform) is None for k in kernels))
+
+
 def check_flag_conflicts(backend: str, recipe: str) -> None:
   """Rejects combinations no platform can run, whatever the machine."""
-  if backend == "xla" and recipe in FP8_RECIPES:
+  if backend == "xla" and REGISTRY[recipe].fp8:
     raise TemoeConfigError(
         f"te_gmm_quantization={recipe} needs Transformer Engine, but te_moe_backend=xla computes in the model "
         "dtype; use te_moe_backend=te (or auto) on a GPU, or te_gmm_quantization=te_no_quant with the xla backend."
@@ -64,31 +160,40 @@ def check_flag_conflicts(backend: str, recipe: str) -> None:
 
 
 def resolve_backend(backend: str, recipe: str, platform) -> str:
-  """Picks the backend that computes the block on this machine, or raises saying what to change.
-
-  `platform` is a `temoe.hardware.Platform`: what devices and Transformer Engine this process has.
-  """
+  """The expert kernel that computes `recipe` on `platform` for `te_moe_backend=backend`, or a
+  TemoeConfigError saying what to change. `auto`: the first of the recipe's kernels that runs here."""
   check_backend(backend)
   check_recipe(recipe)
   check_flag_conflicts(backend, recipe)
   where = platform.describe()
+  r = REGISTRY[recipe]
+  if backend == "auto":
+    for kernel in r.align:
+      if kernel != "xla" and why_not(recipe, kernel, platform) is None:
+        return kernel
+    if "xla" in r.align and (platform.device_platform != "gpu" or not r.fp8):
+      return "xla"
+    if platform.device_platform != "gpu":
+      raise TemoeConfigError(
+          f"te_gmm_quantization={recipe} needs a GPU with Transformer Engine; this process has {where}. "
+          "Valid choice here: te_gmm_quantization=te_no_quant (reference xla backend)."
+      )
+    reasons = "; ".join(f"{k}: {why_not(recipe, k, platform)}" for k in r.align)
+    ok = runnable(platform)
+    raise TemoeConfigError(
+        f"te_gmm_quantization={recipe} cannot run on {where} ({reasons}) "
+        f"Valid choices here: {', '.join(ok) or 'te_gmm_quantization=te_no_quant with te_moe_backend=xla'}."
+    )
   if backend == "te" and not platform.te_usable:
     raise TemoeConfigError(
         f"te_moe_backend=te needs a GPU with Transformer Engine for JAX; this process has {where}. "
         "Valid choices here: te_moe_backend=auto or xla (with te_gmm_quantization=te_no_quant)."
     )
-  chosen = "te" if backend == "te" or (backend == "auto" and platform.te_usable) else "xla"
-  if chosen == "xla":
-    if recipe in FP8_RECIPES:
-      raise TemoeConfigError(
-          f"te_gmm_quantization={recipe} needs a GPU with Transformer Engine; this process has {where}. "
-          "Valid choice here: te_gmm_quantization=te_no_quant (reference xla backend)."
-      )
-    return chosen
-  runnable = platform.runnable_recipes()
-  if recipe not in runnable:
+  reason = why_not(recipe, backend, platform)
+  if reason is not None:
+    ok = runnable(platform, backend)
     raise TemoeConfigError(
-        f"te_gmm_quantization={recipe} cannot run on {where}: {platform.why_not(recipe)} "
-        f"Valid choices here: {', '.join(runnable) or 'none with te_moe_backend=te; use te_moe_backend=xla'}."
+        f"te_gmm_quantization={recipe} cannot run on {where}: {reason} "
+        f"Valid choices here: {', '.join(ok) or f'none with te_moe_backend={backend}; use te_moe_backend=auto'}."
     )
-  return chosen
+  return backend

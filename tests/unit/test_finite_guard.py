@@ -8,7 +8,7 @@ import pytest
 
 from conftest import maxtext_config
 from parity_check import build, forward_and_grads
-from temoe.moe import finite_guard
+from temoe.maxtext import adapter
 
 COMMON = ("dtype=float32", "weight_dtype=float32", "te_moe_check_finite=true", "scan_layers=false")
 
@@ -44,4 +44,4 @@ def test_inf_in_gradient_names_the_layer():
 def test_scanned_layers_are_reported_as_the_stack():
   cfg = maxtext_config("dtype=float32", "te_moe_check_finite=true", "scan_layers=true")
   layer, _ = build(cfg, 0)
-  assert "scanned MoE layers" in finite_guard.layer_name(layer)
+  assert "scanned MoE layers" in adapter.layer_name(layer)

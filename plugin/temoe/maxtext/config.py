@@ -47,6 +47,9 @@ def temoe_config_class():
     te_moe_backend: str = pydantic.Field(
         "auto", description="temoe MoE backend: auto (te on a GPU with Transformer Engine, else xla), te, xla."
     )
+    te_moe_exchange: str = pydantic.Field(
+        "auto", description="temoe's expert-parallel exchange (temoe.moe.exchange): auto, ragged, padded, dedup."
+    )
     te_moe_check_finite: bool = pydantic.Field(
         False, description="Stop the step, naming the MoE layer, on a NaN/Inf in its output or incoming gradient."
     )
@@ -61,6 +64,13 @@ def temoe_config_class():
     @classmethod
     def _known_backend(cls, value: Any) -> str:
       return recipes.check_backend(str(value))
+
+    @pydantic.field_validator("te_moe_exchange", mode="before")
+    @classmethod
+    def _known_exchange(cls, value: Any) -> str:
+      from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+
+      return exchange.check_choice(str(value))
 
     @pydantic.model_validator(mode="wrap")
     @classmethod
@@ -89,8 +99,47 @@ def _validate_temoe(model, types) -> None:
       types.DecoderBlockType.DEEPSEEK4,
   ):
     raise ValueError("Loss-free load balancing is only supported for the DeepSeek decoder block.")
+  _refuse_changed_semantics(model, types)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect())
 
 
+
+
+def _refuse_changed_semantics(model, types) -> None:
+  """MoE settings whose native meaning MaxText's te_moe_block path does not carry to temoe's block
+  (see temoe.maxtext.moe_keys): one line naming the flag and what to use instead."""
+  from maxtext.layers import moe  # pylint: disable=import-outside-toplevel
+
+  if model.decoder_block == types.DecoderBlockType.GEMMA4:
+    raise ValueError(
+        "decoder_block=gemma4 routes on separate gate inputs, which MaxText's te_moe_block path does not "
+        "pass to the MoE block; use te_moe_block=false for Gemma4."
+    )
+  if model.decoder_block == types.DecoderBlockType.DEEPSEEK4 and model.first_num_hash_layers > 0:
+    raise ValueError(
+        f"first_num_hash_layers={model.first_num_hash_layers}: hash routing needs the token ids, which "
+        "MaxText's te_moe_block path does not pass; use first_num_hash_layers=0 or te_moe_block=false."
+    )
+  if (
+      model.moe_use_megatron_seq_aux_loss
+      and model.load_balance_loss_weight > 0.0
+      and model.routed_score_func == "sigmoid"
+      and not moe.uses_megatron_seq_aux_loss(model)
+  ):
+    raise ValueError(
+        "moe_use_megatron_seq_aux_loss=true: this MaxText's train step would average the per-layer loss "
+        "instead of summing it (temoe's seam is not installed); use moe_use_megatron_seq_aux_loss=false "
+        "or te_moe_block=false."
+    )
+  if model.num_moe_token_chunks > 1:
+    raise ValueError(
+        f"num_moe_token_chunks={model.num_moe_token_chunks}: native averages the aux loss over token "
+        "chunks, temoe computes it on whole sequences; use num_moe_token_chunks=1."
+    )
+  if model.moe_dropless_fallback is not None:
+    raise ValueError(
+        f"moe_dropless_fallback={model.moe_dropless_fallback!r} re-runs native's ring-of-experts dispatch, "
+        "which temoe's block replaces; leave it unset (temoe reports EP overflow as te_moe_capacity_overflow)."
+    )

@@ -68,19 +68,84 @@ def check_maxtext() -> None:
 
   if not callable(getattr(metric_logger, "record_activation_metrics", None)):
     missing.append("metric_logger.record_activation_metrics")
+  missing += missing_touchpoints()
+  from temoe.maxtext import checkpointing  # pylint: disable=import-outside-toplevel
+
+  missing += checkpointing.missing_seams()  # save_checkpoint, wait_until_finished, training_loop_iteration, ...
   if missing:
     raise TemoeSeamError(f"MaxText {installed} lacks the seams temoe hooks: {', '.join(missing)}.")
 
 
+TOUCHPOINTS = {
+    "maxtext.configs.pyconfig": ("initialize",),
+    "maxtext.configs.types": ("MaxTextConfig", "DecoderBlockType"),
+    "maxtext.layers.moe": ("RoutedMoE", "GateLogit", "calculate_load_balance_updates", "calculate_expert_counts",
+                           "uses_megatron_seq_aux_loss"),
+    "maxtext.layers.attentions": ("Attention",),
+    "maxtext.layers.attention_mla": ("MLA",),
+    "maxtext.layers.nnx_decoders": ("NNXDecoder",),
+    "maxtext.common.metric_logger": ("record_activation_metrics",),
+    "maxtext.common.train_state_nnx": ("TrainStateNNX",),
+    "maxtext.utils.max_utils": ("maybe_bootstrap_te_moe", "fill_unspecified_mesh_axes"),
+    "maxtext.utils.maxtext_utils": ("collect_intermediates_by_suffix", "calculate_tflops_training_per_device",
+                                    "apply_gradient_clipping", "create_device_mesh"),
+    "maxtext.utils.globals": ("MAXTEXT_CONFIGS_DIR",),
+    "maxtext.utils.max_logging": ("log",),
+    "maxtext.utils.gcs_utils": ("mkdir_and_check_permissions",),
+    "maxtext.trainers.pre_train.train": ("main",),
+    "maxtext.trainers.pre_train.train_compile": ("get_shaped_inputs",),
+}
+"""Every MaxText module attribute temoe calls or wraps (seams, adapter, router, metrics, the offline
+tools' introspection and profiling scopes); `check_maxtext` verifies each one."""
+
+CLASS_ATTRIBUTES = {
+    ("maxtext.layers.moe", "RoutedMoE"): (
+        "_te_moe_block", "sparse_matmul", "permute", "local_permute", "unpermute", "get_topk",
+        "load_balance_loss", "megatron_seq_aux_loss", "should_update_load_balance", "apply_ffn_activation",
+        "get_expert_parallelism_size", "_logical_to_mesh_axes",
+    ),
+    ("maxtext.layers.moe", "GateLogit"): ("__call__",),
+    ("maxtext.layers.nnx_decoders", "NNXDecoder"): ("minimal_policy", "get_remat_policy"),
+    ("maxtext.common.train_state_nnx", "TrainStateNNX"): ("apply_gradients",),
+}
+"""Methods temoe calls or wraps on MaxText classes."""
+
+
+def missing_touchpoints() -> list[str]:
+  """The TOUCHPOINTS, CLASS_ATTRIBUTES and RoutedMoE instance attributes this MaxText lacks."""
+  import importlib  # pylint: disable=import-outside-toplevel
+
+  from temoe.maxtext import adapter  # pylint: disable=import-outside-toplevel
+
+  missing = []
+  for module_name, names in TOUCHPOINTS.items():
+    try:
+      module = importlib.import_module(module_name)
+    except ImportError as exc:
+      missing.append(f"{module_name} ({exc})")
+      continue
+    missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+  for (module_name, cls_name), names in CLASS_ATTRIBUTES.items():
+    cls = getattr(importlib.import_module(module_name), cls_name, None)
+    missing += [f"{cls_name}.{n}" for n in names if cls is None or not callable(getattr(cls, n, None))]
+  routed = importlib.import_module("maxtext.layers.moe").RoutedMoE
+  source = inspect.getsource(routed)  # instance attributes: on the class, or assigned by its methods
+  missing += [
+      f"RoutedMoE.{n}" for n in adapter.LAYER_ATTRIBUTES if not hasattr(routed, n) and f"self.{n} =" not in source
+  ]
+  return missing
+
+
 def describe_block(config, mesh) -> str:
-  """One line saying which temoe backend and recipe compute the MoE layers of this run."""
+  """One line saying which temoe expert kernel and recipe compute the MoE layers of this run."""
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   plat = hardware.detect()
-  backend = recipes.resolve_backend(config.te_moe_backend, config.te_gmm_quantization, plat)
-  why = "" if backend == "te" else f": reference backend, {plat.describe()}" if not plat.te_usable else ""
+  kernel = recipes.resolve_backend(config.te_moe_backend, config.te_gmm_quantization, plat)
+  why = {"xla": f": reference backend, {plat.describe()}", "mosaic": ": temoe's Pallas Mosaic GPU kernels, sync-free",
+         "te": ": Transformer Engine grouped GEMM"}[kernel]
   return (
-      f"temoe {__version__}: te_moe_block=true -> temoe MoE block, backend {backend}{why}, "
+      f"temoe {__version__}: te_moe_block=true -> temoe MoE block, backend {kernel}{why}, "
       f"recipe {config.te_gmm_quantization}, {mesh.devices.size} device(s), no NCCL-EP bootstrap."
   )
 
@@ -88,9 +153,9 @@ def describe_block(config, mesh) -> str:
 def _temoe_block(self, inputs, gate_kernel, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding=None):
   """Replaces RoutedMoE._te_moe_block: the same arguments, computed by temoe's block."""
   del gate_kernel  # temoe routes through the layer's own GateLogit (its dtype, score function and bias)
-  from temoe.moe import block  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import adapter  # pylint: disable=import-outside-toplevel
 
-  return block.run(self, inputs, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding)
+  return adapter.te_moe_block(self, inputs, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding)
 
 
 def use_packaged_assets() -> None:
@@ -112,7 +177,7 @@ _installed: dict[str, Any] = {}
 
 
 def install() -> None:
-  """Installs the four seams once; a second call changes nothing."""
+  """Installs the seams once; a second call changes nothing."""
   if _installed:
     return
   use_packaged_assets()
@@ -145,16 +210,25 @@ def install() -> None:
 
     metrics.record(output_metrics, intermediate_outputs, config)
 
+  from temoe.maxtext import router  # pylint: disable=import-outside-toplevel
+
   _installed.update(
-      initialize=original_initialize, te_moe_block=moe.RoutedMoE._te_moe_block, bootstrap=original_bootstrap
+      initialize=original_initialize, te_moe_block=moe.RoutedMoE._te_moe_block, bootstrap=original_bootstrap,
+      uses_megatron_seq_aux_loss=moe.uses_megatron_seq_aux_loss,
   )
   pyconfig.initialize = initialize
   moe.RoutedMoE._te_moe_block = _temoe_block  # pylint: disable=protected-access
+  # the train step sums (not averages) the sequence-wise aux loss over layers when this says so;
+  # MaxText's answers False for te_moe_block, temoe's block computes that loss as the native block does
+  moe.uses_megatron_seq_aux_loss = router.uses_megatron_seq_aux_loss
   max_utils.maybe_bootstrap_te_moe = maybe_bootstrap_te_moe
   metric_logger.record_activation_metrics = record_activation_metrics
   train_module = sys.modules.get("maxtext.trainers.pre_train.train")  # imported it by name already
   if train_module is not None:
     train_module.record_activation_metrics = record_activation_metrics
+  from temoe.maxtext import checkpointing  # pylint: disable=import-outside-toplevel
+
+  checkpointing.install()  # no non-finite checkpoint, checksums at save, one-line write failures
 
 
 def is_installed() -> bool:

@@ -76,6 +76,19 @@ def plan(experts: jax.Array, num_experts: int, align: int = 1) -> DispatchPlan:
   return DispatchPlan(order, slots, slot_of_choice, choice_of_slot, group_sizes, padded, size)
 
 
+def covering_group_sizes(padded_group_sizes: jax.Array, rows: int) -> jax.Array:
+  """Group sizes summing to `rows`: the buffer's spare rows past the last group join the last expert.
+
+  TE's grouped quantize and its multi-stream grouped GEMM (the path FP8 current scaling takes) check
+  sum(group_sizes) == rows and fail otherwise; the cuBLAS grouped kernel (bf16, MXFP8) accepts a
+  shorter sum but leaves the rows past it uninitialised, which would then flow into the activation
+  and the backward quantizers. The spare rows are zeros and combine never reads them; the cost is
+  that the last expert multiplies them too. The spare count is a multiple of the alignment.
+  """
+  spare = rows - jnp.sum(padded_group_sizes)
+  return padded_group_sizes.astype(jnp.int32).at[-1].add(spare.astype(jnp.int32))
+
+
 def row_experts(p: DispatchPlan) -> jax.Array:
   """The expert of each buffer row (padding rows belong to the group they pad)."""
   ids = jnp.arange(p.padded_group_sizes.shape[0], dtype=jnp.int32)
@@ -123,7 +136,8 @@ _to_choices.defvjp(_to_choices_fwd, _to_choices_bwd)
 
 def dispatch(x: jax.Array, p: DispatchPlan, top_k: int) -> jax.Array:
   """Gathers token rows `x` (tokens, emb) into the expert-sorted buffer; padding rows are zero."""
-  assert p.routed_rows == x.shape[0] * top_k, (p.routed_rows, x.shape, top_k)
+  if p.routed_rows != x.shape[0] * top_k:
+    raise ValueError(f"a plan of {p.routed_rows} routed rows does not fit {x.shape[0]} tokens x top_k {top_k}")
   return _to_slots(x, p.choice_of_slot, p.slot_of_choice)
 
 

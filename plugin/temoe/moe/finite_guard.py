@@ -5,24 +5,13 @@ NaN loss. An identity with a custom VJP: one reduction each way and a host callb
 from __future__ import annotations
 
 import functools
-import weakref
 
 import jax
 import jax.numpy as jnp
 
-_ordinals: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
-
 
 class NonFiniteError(FloatingPointError):
   """A MoE layer produced or received non-finite values."""
-
-
-def layer_name(layer) -> str:
-  """MoE layers in the order they are first traced; a scanned stack is traced once, as one."""
-  if layer.config.scan_layers:
-    return "the scanned MoE layers (scan_layers=true traces them as one; rerun with scan_layers=false to name it)"
-  ordinal = _ordinals.setdefault(layer, len(_ordinals))
-  return f"MoE layer {ordinal} (in call order)"
 
 
 def _report(finite, what: str, name: str) -> None:

@@ -20,15 +20,14 @@ from __future__ import annotations
 import dataclasses
 import sys
 
+from temoe import hardware
+from temoe.tools import model_size
+
 MODELLED_BLOCKS = ("deepseek", "mixtral", "qwen3_moe", "mistral", "llama2", "qwen3")
 """Decoder blocks whose layers are (MLA or GQA attention) + (dense MLP or MoE) and nothing else."""
 
-# Dense (no 2:4 sparsity) tensor-core peak per GPU in TFLOP/s: (bf16, fp8). H100 SXM5: bf16 989.4,
-# fp8 1978.9 (NVIDIA H100 datasheet, as tabulated at glennklockwood.com/garden/processors/h100);
-# H200 SXM is the same GH100 compute with more HBM. B200 (HGX, 1000 W): bf16 2250, fp8 4500;
-# GB200 (NVL72, 1200 W): bf16 2500, fp8 5000 (NVIDIA's GB200 NVL72 / HGX B200 spec tables: 10 and
-# 9 PFLOPS sparse FP8 per GPU; glennklockwood.com/garden/processors/B200). MXFP8 runs at the FP8 rate.
-PEAK_TFLOPS = {"GB200": (2500.0, 5000.0), "B200": (2250.0, 4500.0), "H200": (989.4, 1978.9), "H100": (989.4, 1978.9)}
+PEAK_TFLOPS = {g.name.upper(): (g.bf16_tflops, g.fp8_tflops) for g in hardware.GPUS.values()}
+"""GPU name -> (bf16, fp8) dense peak TFLOP/s, from temoe.hardware's catalog."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,10 +74,7 @@ def _attention(c) -> tuple[int, int]:
   """(projection parameters, qk_dim + v_dim summed over heads) of one attention layer."""
   emb, heads = c.emb_dim, c.num_query_heads
   if c.attention_type == "mla":
-    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
-    q = emb * heads * qk if c.q_lora_rank == 0 else emb * c.q_lora_rank + c.q_lora_rank * heads * qk
-    kv = emb * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
-    return q + kv + heads * c.v_head_dim * emb, heads * (qk + c.v_head_dim)
+    return model_size.mla_matmul_params(c), heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
   kv_heads = c.num_kv_heads * (1 if c.share_kv_projections else 2)
   return emb * (heads + kv_heads) * c.head_dim + heads * c.head_dim * emb, heads * 2 * c.head_dim
 
@@ -89,7 +85,7 @@ def count(c) -> Count:
   train = 6 * tokens  # 2 FLOPs per parameter and token forward, x3 with the backward pass
   attn_layers, dense_layers, moe_layers = _layers(c)
   proj, head_dims = _attention(c)
-  mlp = (len(c.mlp_activations) + 1) * c.emb_dim  # parameters per unit of hidden width
+  mlp = model_size.mlp_params(c, 1)  # parameters per unit of hidden width
   causal_pairs_per_token = (c.max_target_length + 1) / 2
   return Count(
       tokens=tokens,
@@ -106,9 +102,9 @@ def count(c) -> Count:
 
 def maxtext_tflops(c) -> float:
   """MaxText's own figure for the same step (what it logs as perf/per_device_tflops)."""
-  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
-  return maxtext_utils.calculate_tflops_training_per_device(c, log=False)[0]
+  return introspect.maxtext_tflops(c)
 
 
 def fp8_flops(c, n: Count) -> float:
@@ -121,10 +117,8 @@ def fp8_flops(c, n: Count) -> float:
 
 def peak_for(device_kind: str) -> tuple[str, tuple[float, float]] | None:
   """(GPU name, (bf16, fp8) peak TFLOP/s) for a JAX device_kind such as 'NVIDIA H200', or None."""
-  kind = device_kind.upper()
-  if "PCIE" in kind or kind.endswith(" NVL"):  # lower-clocked PCIe/NVL cards: not in the table
-    return None
-  return next(((name, peak) for name, peak in PEAK_TFLOPS.items() if name in kind), None)
+  gpu = hardware.gpu_of_kind(device_kind)
+  return (gpu.name.upper(), PEAK_TFLOPS[gpu.name.upper()]) if gpu else None
 
 
 def effective_peak(total: float, fp8: float, peak: tuple[float, float]) -> float:
@@ -161,14 +155,12 @@ def main(argv: list[str] | None = None) -> int:
   """`python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu H200]`: the count and MaxText's figure."""
   import json  # pylint: disable=import-outside-toplevel
 
-  import temoe  # pylint: disable=import-outside-toplevel
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
   gpu = argv.pop(argv.index("--gpu") + 1).upper() if "--gpu" in argv else None
   argv = [a for a in argv if a != "--gpu"]
-  temoe.register()
-  print(json.dumps(summary(pyconfig.initialize(["flops", *argv]), gpu=gpu), indent=1))
+  print(json.dumps(summary(introspect.initialize_config(["flops", *argv]), gpu=gpu), indent=1))
   return 0
 
 

@@ -57,10 +57,9 @@ def on_host(leaf) -> bool:
 
 def abstract_state(config, mesh):
   """MaxText's abstract train state (nnx.State of ShapeDtypeStructs with shardings), nothing allocated."""
-  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
-  (state, _), _, _, _, _ = train_compile.get_shaped_inputs(mesh, config)
-  return state
+  return introspect.abstract_state(config, mesh)
 
 
 SCANNED_BLOCKS = {"layers", "dense_layers", "moe_layers"}

@@ -11,7 +11,7 @@ bounds them, as `temoe.moe.block` sizes them).
 from __future__ import annotations
 
 import dataclasses
-import math
+import functools
 
 from temoe import recipes
 
@@ -93,27 +93,30 @@ def named_tensors(config, s: Shapes, moe: bool, rows: int) -> dict[str, int]:
 
 def remat_policy(config):
   """MaxText's checkpoint policy for this config (None: save nothing but the layer inputs)."""
-  import types  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
-  from maxtext.layers import nnx_decoders  # pylint: disable=import-outside-toplevel
+  return introspect.remat_policy(config)
 
-  decoder = types.SimpleNamespace(config=config, remat_policy_override=None)
-  decoder.minimal_policy = lambda **kw: nnx_decoders.NNXDecoder.minimal_policy(decoder, **kw)
-  return nnx_decoders.NNXDecoder.get_remat_policy(decoder)
+
+@functools.cache
+def _name_primitive():
+  """The primitive `checkpoint_name` binds (what remat policies are asked about), found by tracing."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.ad_checkpoint import checkpoint_name  # pylint: disable=import-outside-toplevel
+
+  return jax.make_jaxpr(lambda x: checkpoint_name(x, "probe"))(1.0).eqns[0].primitive
 
 
 def placement(policy, name: str, config) -> str:
   """Where the policy keeps a named tensor: 'device', 'host' or 'remat' (recomputed)."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jax._src import ad_checkpoint  # pylint: disable=import-outside-toplevel
-  from jax._src.interpreters import partial_eval as pe  # pylint: disable=import-outside-toplevel
 
   if config.remat_policy == "none":
     return "device"
-  decision = policy(ad_checkpoint.name_p, jax.ShapeDtypeStruct((1,), "float32"), name=name) if policy else False
-  if isinstance(decision, pe.Offloadable):
+  decision = policy(_name_primitive(), jax.ShapeDtypeStruct((1,), "float32"), name=name) if policy else False
+  if hasattr(decision, "dst"):  # an Offloadable(src, dst) decision (jax.checkpoint_policies' offload policies)
     return "host" if decision.dst == "pinned_host" else "device"
-  if decision is True or decision is pe.Saveable or name == "decoder_layer_input":
+  if decision is True or type(decision).__name__ == "SaveableType" or name == "decoder_layer_input":
     return "device"  # decoder_layer_input: each layer's remat start point, kept by the scan unless offloaded
   return "remat"
 
@@ -139,16 +142,16 @@ def saved_activations(config, s: Shapes, rows: int) -> Part:
 
 
 def moe_rows(config, s: Shapes, backend: str) -> tuple[int, int, int]:
-  """(routed rows, rows of the expert buffer, expert-parallel receive capacity) per device."""
-  from temoe.moe import dispatch  # pylint: disable=import-outside-toplevel
+  """(routed rows, rows of the expert buffer, expert-parallel receive capacity) per device, for
+  expert kernel `backend` (temoe's: xla, te, mosaic; MaxText's own MoE: gmm, unpadded)."""
+  from temoe.moe import dispatch, exchange  # pylint: disable=import-outside-toplevel
 
   routed = s.tokens * config.num_experts_per_tok
-  align = recipes.ROW_ALIGNMENT[str(config.te_gmm_quantization)] if backend == "te" else 1
+  recipe = str(config.te_gmm_quantization)
+  align = recipes.row_alignment(recipe, backend) if recipe in recipes.REGISTRY and backend in recipes.KERNELS else 1
   if s.ep == 1:
     return routed, dispatch.buffer_rows(routed, config.num_experts, align), 0
-  capacity = routed * s.ep  # worst case: every device routes all its rows to one device (dropless)
-  if config.ragged_buffer_factor > 0:
-    capacity = min(capacity, math.ceil(routed * config.ragged_buffer_factor))
+  capacity = exchange.receive_capacity(routed, s.ep, config.ragged_buffer_factor)
   return routed, dispatch.buffer_rows(capacity, config.num_experts // s.ep + 1, align), capacity
 
 
@@ -166,9 +169,8 @@ def moe_layer(config, s: Shapes, backend: str) -> float:
   extra = 0.0
   if backend == "xla":
     extra = xla_ragged_dot_bytes(rows, local, e, m, a)
-  elif backend == "te" and str(c.te_gmm_quantization) != "te_no_quant":
-    weights = local * (e * 2 * m + m * e)
-    extra = 2 * weights + rows * (e + m) * 2  # FP8 weights and their transposes; FP8 rows both ways
+  elif backend in ("te", "mosaic"):
+    extra = recipes.REGISTRY[str(c.te_gmm_quantization)].quantized_copy_bytes(local * (e * 2 * m + m * e), rows, e, m)
   in_flight = rows * (e + 2 * m) * a  # the backward's widest gradients: of the dispatched rows and of gate|up
   shared = s.tokens * c.shared_experts * m // s.tp * 3 * a
   return forward + in_flight + extra + 2 * shared

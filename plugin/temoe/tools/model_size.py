@@ -25,15 +25,20 @@ def _get(config, key):
   return config[key] if isinstance(config, dict) else getattr(config, key)
 
 
-def mla_params(c) -> int:
-  """Multi-head latent attention: low-rank query and key/value projections, their norms, output."""
+def mla_matmul_params(c) -> int:
+  """Multi-head latent attention's projection weights: low-rank query and key/value, output."""
   emb, heads = _get(c, "emb_dim"), _get(c, "num_query_heads")
   qk_head = _get(c, "qk_nope_head_dim") + _get(c, "qk_rope_head_dim")
   q_rank, kv_rank = _get(c, "q_lora_rank"), _get(c, "kv_lora_rank")
-  query = emb * q_rank + q_rank + q_rank * heads * qk_head if q_rank > 0 else emb * heads * qk_head
-  key_value = emb * (kv_rank + _get(c, "qk_rope_head_dim")) + kv_rank
+  query = emb * q_rank + q_rank * heads * qk_head if q_rank > 0 else emb * heads * qk_head
+  key_value = emb * (kv_rank + _get(c, "qk_rope_head_dim"))
   key_value += kv_rank * heads * (_get(c, "qk_nope_head_dim") + _get(c, "v_head_dim"))
   return query + key_value + heads * _get(c, "v_head_dim") * emb
+
+
+def mla_params(c) -> int:
+  """MLA's projections and the norms of its low-rank query and key/value."""
+  return mla_matmul_params(c) + max(_get(c, "q_lora_rank"), 0) + _get(c, "kv_lora_rank")
 
 
 def mlp_params(c, hidden: int) -> int:

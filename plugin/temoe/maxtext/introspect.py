@@ -1,0 +1,78 @@
+"""What temoe's offline tools and the run wrapper ask of MaxText: its config, its FLOP count, its
+mesh-axis filling, its abstract train state and its remat policy. Each is MaxText's own function,
+called here so no module outside `temoe.maxtext` imports MaxText."""
+
+from __future__ import annotations
+
+import types
+
+
+def initialize_config(argv: list[str], **kwargs):
+  """MaxText's `pyconfig.initialize` with temoe registered (temoe's schema and checks)."""
+  import temoe  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  return pyconfig.initialize(argv, **kwargs)
+
+
+def configs_dir() -> str:
+  """MaxText's own configs folder (base.yml, models/)."""
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+
+  return MAXTEXT_CONFIGS_DIR
+
+
+def maxtext_tflops(config) -> float:
+  """MaxText's own TFLOPs per device per training step."""
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  return maxtext_utils.calculate_tflops_training_per_device(config, log=False)[0]
+
+
+def fill_mesh_axes(parallelism: list[int], devices: int, name: str) -> list[int]:
+  """MaxText's filling of one -1 mesh axis ('ICI' or 'DCN') to use `devices`."""
+  from maxtext.utils import max_utils  # pylint: disable=import-outside-toplevel
+
+  return max_utils.fill_unspecified_mesh_axes(parallelism, devices, name)
+
+
+def abstract_state(config, mesh):
+  """MaxText's abstract train state (nnx.State of ShapeDtypeStructs with shardings), nothing allocated."""
+  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+
+  (state, _), _, _, _, _ = train_compile.get_shaped_inputs(mesh, config)
+  return state
+
+
+def remat_policy(config):
+  """MaxText's checkpoint policy for this config (None: save nothing but the layer inputs), from its
+  decoder's own `get_remat_policy` on a stand-in holding just what that method reads."""
+  from maxtext.layers import nnx_decoders  # pylint: disable=import-outside-toplevel
+
+  decoder = types.SimpleNamespace(config=config, remat_policy_override=None)
+  decoder.minimal_policy = lambda **kw: nnx_decoders.NNXDecoder.minimal_policy(decoder, **kw)
+  return nnx_decoders.NNXDecoder.get_remat_policy(decoder)
+
+
+def train(argv: list[str]) -> None:
+  """MaxText's pre-training main under absl, as `python -m maxtext.trainers.pre_train.train` runs it."""
+  from absl import app  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train as maxtext_train  # pylint: disable=import-outside-toplevel
+
+  app.run(maxtext_train.main, argv=argv)
+
+
+def device_mesh(config):
+  """MaxText's device mesh for `config` (its own checks that the mesh spans the devices)."""
+  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
+
+  return maxtext_utils.create_device_mesh(config)
+
+
+def make_writable_dir(path: str) -> None:
+  """MaxText's own probe: creates `path` (local or gs://) and checks a file can be written there."""
+  from maxtext.utils import gcs_utils  # pylint: disable=import-outside-toplevel
+
+  gcs_utils.mkdir_and_check_permissions(path)

@@ -1,0 +1,62 @@
+"""Expert-parallel exchange: how one device's routed rows reach the devices owning their experts,
+and the expert outputs come back. One interface, several strategies (`STRATEGIES`):
+
+  local    one device, or no expert axis: dispatch -> experts -> combine, nothing crosses devices
+  ragged   one row per (token, expert) pair, `jax.lax.ragged_all_to_all` both ways (GPU)
+  padded   the same plan through a padded `all_to_all` (XLA:CPU has no ragged all-to-all)
+  dedup    one row per distinct (token, rank), expanded and combined on the receiver (`dedup`);
+           ragged all-to-all on GPUs, padded on XLA:CPU; `auto` where a rank holds several experts
+
+A strategy is `run(ctx, x, expert_ids, weights, mlp) -> (out, stats)` on one device's tokens inside
+`shard_map`: x (tokens, emb), expert_ids / weights (tokens, top_k), `mlp(buffer, plan) -> buffer`
+the expert MLP on this device's local experts. `stats` holds (1,) int32/bool arrays: `received`
+((token, expert) pairs routed to this device before any capacity cut: its rows, but for dedup), `capacity`, `overflow`, and `padded` /
+`real` (rows at the expert GEMMs with and without alignment padding).
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+STRATEGIES = ("local", "ragged", "padded", "dedup")
+"""The exchange strategies; `auto` resolves to one of them (`resolve`)."""
+
+CHOICES = ("auto", "ragged", "padded", "dedup")
+"""What a run may ask for (MaxText's `te_moe_exchange`); one device, or no expert axis, is `local`."""
+
+
+def check_choice(name: str) -> str:
+  """`name` if it is one of CHOICES, else one error naming them."""
+  if name not in CHOICES:
+    raise ValueError(f"te_moe_exchange={name!r}; valid choices: {', '.join(CHOICES)}.")
+  return name
+
+
+def receive_capacity(routed_rows: int, ep_size: int, buffer_factor: float) -> int:
+  """Rows one device's receive buffer holds: the worst case (every device sends it all its routed
+  rows: dropless) unless MaxText's `ragged_buffer_factor` > 0 bounds it to that many times its own."""
+  capacity = routed_rows * ep_size
+  if buffer_factor > 0:
+    capacity = min(capacity, math.ceil(routed_rows * buffer_factor))
+  return capacity
+
+
+def resolve(name: str, ep_size: int, device_platform: str, top_k: int = 1, local_experts: int = 1) -> str:
+  """The strategy `name` (one of CHOICES) means for this expert axis and platform. `auto` is dedup
+  where it sends fewer rows (a token can reach two experts of one rank: top_k > 1 and
+  local_experts > 1; never more rows), else the row-per-pair exchange for the platform."""
+  if ep_size == 1:
+    return "local"
+  if name not in CHOICES:
+    raise ValueError(f"expert-parallel exchange {name!r}; valid choices: {', '.join(CHOICES)}.")
+  if name == "auto":
+    if top_k > 1 and local_experts > 1:
+      return "dedup"
+    return "padded" if device_platform == "cpu" else "ragged"
+  return name
+
+
+def strategy(name: str):
+  """The module implementing strategy `name` (its `run`)."""
+  return importlib.import_module(f"temoe.moe.exchange.{name}")

@@ -1,0 +1,26 @@
+"""What every expert kernel shares around its GEMMs: MaxText's fused [gate | up] layout, row biases,
+and MaxText's remat names (moe_mlpwi_0/1, moe_mlpwo), so MaxText's `remat_policy` and offload
+settings apply to temoe's block as they do to MaxText's own."""
+
+from __future__ import annotations
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+
+def split_gate_up(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """MaxText stores wi as [gate | up] on its last axis; returns the two halves of `h = x @ wi`."""
+  half = h.shape[-1] // 2
+  return h[..., :half], h[..., half:]
+
+
+def add_row_bias(h: jax.Array, bias: jax.Array | None, experts_of_rows: jax.Array | None) -> jax.Array:
+  return h if bias is None else h + bias[experts_of_rows].astype(h.dtype)
+
+
+def tag_up(w0: jax.Array, w1: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return checkpoint_name(checkpoint_name(w0, "mlpwi_0"), "moe_mlpwi_0"), checkpoint_name(w1, "moe_mlpwi_1")
+
+
+def tag_down(y: jax.Array) -> jax.Array:
+  return checkpoint_name(checkpoint_name(y, "mlpwo"), "moe_mlpwo")

@@ -1,0 +1,66 @@
+"""The recipe registry: every recipe's kernels exist, and the backend resolution on stand-in GPUs."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from temoe import recipes
+from temoe.hardware import Platform
+
+CPU = Platform("cpu", "cpu", None, None, "no GPU", None)
+H200_OLD_CUBLAS = Platform("gpu", "NVIDIA H200", (9, 0), "2.20.2", None, (13, 1, 0))
+H200 = Platform("gpu", "NVIDIA H200", (9, 0), "2.20.2", None, (13, 4, 0))
+B200 = Platform("gpu", "NVIDIA B200", (10, 0), "2.20.2", None, (13, 3, 0))
+
+
+def test_every_recipe_names_kernels_that_exist():
+  for recipe in recipes.REGISTRY.values():
+    assert recipe.align and set(recipe.align) <= set(recipes.KERNELS), recipe.name
+    for kernel, align in recipe.align.items():
+      assert align >= 1 and align & (align - 1) == 0, (recipe.name, kernel, align)
+      assert importlib.util.find_spec(f"temoe.moe.experts.{kernel}") is not None, kernel
+    assert recipe.fp8 == (recipe.name in recipes.FP8_RECIPES)
+    assert 0 < recipe.error_bound[0] <= recipe.error_bound[1] < 1
+
+
+@pytest.mark.parametrize(
+    "platform, backend, recipe, kernel",
+    [
+        (CPU, "auto", "te_no_quant", "xla"),
+        (H200, "auto", "te_fp8_current", "mosaic"),  # Hopper FP8: temoe's sync-free kernels by default
+        (H200, "te", "te_fp8_current", "te"),  # TE's grouped GEMM stays selectable
+        (H200, "auto", "te_no_quant", "te"),
+        (H200_OLD_CUBLAS, "auto", "te_no_quant", "mosaic"),  # bf16 on Hopper never refuses
+        (B200, "auto", "te_fp8_current", "te"),  # Blackwell keeps TE
+        (B200, "auto", "te_mxfp8", "te"),
+        (B200, "xla", "te_no_quant", "xla"),
+    ],
+)
+def test_resolution(platform, backend, recipe, kernel):
+  assert recipes.resolve_backend(backend, recipe, platform) == kernel
+  assert recipes.row_alignment(recipe, kernel) == recipes.REGISTRY[recipe].align[kernel]
+
+
+@pytest.mark.parametrize(
+    "platform, backend, recipe, words",
+    [
+        (CPU, "auto", "te_fp8_current", ["needs a GPU with Transformer Engine", "te_no_quant"]),
+        (H200, "auto", "te_mxfp8", ["needs Blackwell", "Valid choices here: te_no_quant, te_fp8_current"]),
+        (B200, "mosaic", "te_fp8_current", ["Hopper's wgmma", "te_moe_backend=auto"]),
+        (H200_OLD_CUBLAS, "te", "te_no_quant", ["cuBLAS >= 13.4", "te_fp8_current"]),
+        (H200, "xla", "te_fp8_current", ["te_moe_backend=xla computes in the model dtype"]),
+        (H200, "cuda", "te_no_quant", ["valid choices: auto, te, xla, mosaic"]),
+    ],
+)
+def test_refusals_name_the_fix(platform, backend, recipe, words):
+  with pytest.raises(recipes.TemoeConfigError) as info:
+    recipes.resolve_backend(backend, recipe, platform)
+  for word in words:
+    assert word in str(info.value), str(info.value)
+
+
+def test_quantized_copies_cost_memory_only_for_fp8():
+  assert recipes.REGISTRY["te_no_quant"].quantized_copy_bytes(10, 10, 4, 4) == 0
+  assert recipes.REGISTRY["te_fp8_current"].quantized_copy_bytes(10, 10, 4, 4) == 2 * 10 + 2 * 10 * 8
