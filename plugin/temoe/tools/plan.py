@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import os
 import sys
@@ -25,6 +26,9 @@ STAND_IN_CUBLAS = (13, 4, 0)  # what a current NGC JAX image loads; only temoe's
 class PlanInputError(ValueError):
   """Arguments `temoe plan` cannot plan for; exit code 2."""
 
+
+STATELESS_TE_QUANTIZATION = ("te_fp8_currentscaling", "te_mxfp8")
+"""MaxText's TE dense-layer recipes that add no parameters or state (no amax history)."""
 
 TOLERANCE = 0.15
 """How far an estimate may be from a measured peak (tests, bench/plan_check.py)."""
@@ -120,6 +124,7 @@ class Plan:
   estimate: Any  # temoe.tools.hbm.Estimate
   hbm_gib: float | None
   hbm_source: str
+  notes: tuple[str, ...] = ()
 
 
 def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: str = "h200",
@@ -140,6 +145,15 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
   count = devices or max(explicit_devices(config), jax.device_count() if seen is here else 1)
   with platform_seen_as(seen):
     config = build_config(path, overrides, count)
+  notes = ()
+  quantization = str(getattr(config.quantization, "value", config.quantization) or "")
+  if quantization in STATELESS_TE_QUANTIZATION and importlib.util.find_spec("transformer_engine") is None:
+    # MaxText imports TE to build its quantized dense layers; these recipes keep no state, so the
+    # parameters and optimizer state are the unquantized layers'. Planned as those, and said so.
+    notes = (f"quantization={quantization} planned without Transformer Engine (not installed here): "
+             "its dense layers hold the same parameters, FP8 copies are transient",)
+    with platform_seen_as(seen):
+      config = build_config(path, [*overrides, "quantization=''"], count)
   if config.te_moe_block:
     backend = recipes.resolve_backend(config.te_moe_backend, str(config.te_gmm_quantization), seen)
   else:  # MaxText's own MoE: a grouped-GEMM kernel, or ragged_dot as temoe's xla backend
@@ -148,7 +162,7 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
     mesh = abstract_mesh(config, count)
   except AssertionError as exc:  # MaxText's own check of the mesh against the device count
     raise PlanInputError(f"the config's mesh cannot span {count} device(s): {exc}") from exc
-  return Plan(config, mesh, backend, hbm.estimate(config, mesh, backend, seen.device_platform), hbm_gib, where)
+  return Plan(config, mesh, backend, hbm.estimate(config, mesh, backend, seen.device_platform), hbm_gib, where, notes)
 
 
 def table(p: Plan) -> str:
@@ -171,7 +185,12 @@ def table(p: Plan) -> str:
   head = (f"temoe plan: {config.model_name}, {mesh.size} device(s) ({axes}), {block}, "
           f"batch {config.per_device_batch_size}/device x {config.max_target_length} tokens, "
           f"remat {config.remat_policy}")
-  return "\n".join([head] + [f"  {name:<{width}}  {value:>10}  {note}" for name, value, note in rows])
+  lines = [head] + [f"  note: {n}" for n in p.notes] + [f"  {name:<{width}}  {value:>10}  {note}" for name, value, note in rows]
+  if config.te_moe_block:
+    from temoe.tools import exchange_volume  # pylint: disable=import-outside-toplevel
+
+    lines += exchange_volume.summary_lines(config, mesh)
+  return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

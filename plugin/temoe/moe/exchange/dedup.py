@@ -1,0 +1,69 @@
+"""Deduplicating exchange: a token routed to several experts of one rank crosses to it once.
+
+Per device, one row per distinct (token, destination rank) travels with that rank's expert ids and
+weights for it (`dedup_plan`); the receiver spreads each row into its local expert groups for the
+grouped GEMMs, sums each row's weighted expert outputs into one row and sends that back; the sender
+sums its tokens' rows over ranks. The rows move over the row-per-pair exchange's transports with
+this plan: `jax.lax.ragged_all_to_all` on GPUs (`ragged`), a padded `all_to_all` on XLA:CPU
+(`padded`). Every local step is a gather whose gradient is the reverse gather (`rowmaps`).
+
+Each rank's weighted sum travels back in the expert MLP's dtype (one rounding of a partial sum of
+at most `slots` terms); the sum over ranks is float32.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+
+from temoe.moe.exchange import dedup_plan, padded, ragged, receive_capacity
+from temoe.moe.exchange.rowmaps import fan_in, fan_out
+
+
+def transport(platform: str) -> types.ModuleType:
+  """The module whose send / receive_back move rows on `platform`: XLA:CPU has no ragged all-to-all."""
+  return padded if platform == "cpu" else ragged
+
+
+def receive_rows(moves: types.ModuleType, capacity: int, rows: int, devices: int) -> int:
+  """Rows of the receive buffer `moves` fills: ragged packs senders (at most `capacity` pairs, so
+  rows), padded keeps one slot of `rows` per sender."""
+  return min(capacity, rows * devices) if moves is ragged else rows * devices
+
+
+def run(ctx, x, expert_ids, weights, mlp, moves: types.ModuleType | None = None):
+  moves = moves or transport(jax.devices()[0].platform)
+  tokens, top_k = expert_ids.shape
+  devices, local = ctx.ep_size, ctx.local_experts
+  rows, width = dedup_plan.send_rows(tokens, top_k, devices), dedup_plan.slots(top_k, local)
+  capacity = receive_capacity(tokens * top_k, devices, ctx.buffer_factor)
+  with jax.named_scope("temoe_dispatch"):
+    rp = dedup_plan.plan_ranks(expert_ids, local, devices)
+    ex = dedup_plan.plan_exchange(rp.rows_to, rp.pairs_to, ctx.ep_axis, devices, capacity, width)
+    send = fan_out(x, rp.token_of_row, rp.row_of_token)
+    send_w = fan_out(weights.reshape(-1, 1), rp.choice_of_slot, rp.slot_of_choice).reshape(rows, width)
+    room = receive_rows(moves, capacity, rows, devices)
+    recv, recv_w, recv_ids = (moves.send(a, ex, room, ctx.ep_axis, devices) for a in (send, send_w, rp.local_ids))
+    received = recv.shape[0]
+    buffer = dedup_plan.gemm_rows(capacity, received, width, local, ctx.align)
+    gp = dedup_plan.plan_expansion(recv_ids, local, ctx.align, buffer)
+    buf = fan_out(recv, gp.choice_of_slot // width, gp.slot_of_choice.reshape(received, width))
+  with jax.named_scope("temoe_experts"):
+    y = mlp(buf, gp)
+  with jax.named_scope("temoe_combine"):
+    per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(received, width, -1)
+    if ctx.float32_weight_sum:
+      per_pair, recv_w = per_pair.astype(jnp.float32), recv_w.astype(jnp.float32)
+    partial = jnp.sum(per_pair * recv_w[..., None].astype(per_pair.dtype), axis=1).astype(y.dtype)
+    back = moves.receive_back(partial, ex, rows, ctx.ep_axis, devices)
+    out = fan_in(back, rp.row_of_token, rp.token_of_row)
+  stats = {
+      "received": ex.received,
+      "capacity": jnp.int32(capacity),
+      "overflow": ex.overflow,
+      "padded": jnp.sum(gp.padded_group_sizes),
+      "real": jnp.sum(gp.group_sizes),
+  }
+  return out, stats
