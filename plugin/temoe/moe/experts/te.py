@@ -32,8 +32,8 @@ def quantizer_set(recipe: str, num_experts: int):
   both_layouts = {"is_2x2x": True} if r.scaling == "mxfp8" else {}  # MXFP8: rowwise and colwise copies
   return QuantizerFactory.create_set(
       scaling_mode=mode,
-      fwd_dtype=jnp.dtype(r.fwd_dtype),
-      bwd_dtype=jnp.dtype(r.bwd_dtype),
+      fwd_dtype=getattr(jnp, r.fwd_dtype),  # TE checks for the jnp scalar types themselves
+      bwd_dtype=getattr(jnp, r.bwd_dtype),
       n_groups=num_experts,
       **both_layouts,
   )

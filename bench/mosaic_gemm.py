@@ -1,0 +1,493 @@
+"""Tile-config sweep of temoe's Mosaic GPU grouped GEMMs (temoe.moe.experts.mosaic_gemm) on one GPU.
+
+In one process, per shape (dsv3: hidden 7168, expert ffn 2048, 32 experts, 8192 tokens top-8;
+dsv3_ep8: 7168/2048, 8 experts, top-2; qwen3_30b_a3b: 2048/768, 128 experts, top-8), with a skewed
+(Zipf-like) load padded to 128-row groups in a static dispatch buffer of tokens*top_k + experts*127
+rows (rounded to 128; the rows past the groups are spare):
+
+* the six FP8 GEMMs of the expert MLP (gate/up and down: forward, dgrad, wgrad) on pre-quantised
+  operands, each under several TileConfigs: TFLOP/s (useful FLOPs: real routed rows only, not
+  padding) and the relative error against float32 math on the same FP8 operand values (a broken
+  config shows up here), plus, for the best config, the FP8 recipe's error against float32 on the
+  bf16 originals;
+* ceilings and comparators for each forward GEMM: TE 2.20's FP8 grouped_dense (current scaling,
+  forward, and forward+backward, TE's quantisation included), TE dense FP8 (current scaling,
+  quantisation included) and XLA's FP8 dot on pre-quantised operands (cuBLASLt) on the same
+  real-rows x K x N problem;
+* grouped_matmul end to end (quantisation included) with the sweep's best configs, forward and
+  forward+backward; the bf16 path (temoe's kernels in bf16, and tokamax's mosaic ragged_dot).
+
+Writes OUT/mosaic_gemm.json (incrementally) and OUT/mosaic_gemm.png.
+  PYTHONPATH=$PWD/plugin python3 bench/mosaic_gemm.py --out bench/results [--shapes dsv3,...] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from temoe.moe.experts import mosaic_gemm as mz
+
+SHAPES = {
+    "dsv3": dict(hidden=7168, ffn=2048, experts=32, tokens=8192, top_k=8),
+    "dsv3_ep8": dict(hidden=7168, ffn=2048, experts=8, tokens=8192, top_k=2),
+    "qwen3_30b_a3b": dict(hidden=2048, ffn=768, experts=128, tokens=8192, top_k=8),
+    "smoke": dict(hidden=256, ffn=128, experts=4, tokens=256, top_k=2),  # first stage of a device call
+}
+TC = mz.TileConfig
+ROWS_CONFIGS = [
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=8),
+    TC(block_m=128, block_n=256, stages=3, compute_wgs=2, grid_block_n=4, epi_n=256),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, promote=4),
+]
+CONTRACT_CONFIGS = ROWS_CONFIGS[:2] + [
+    TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
+] + ROWS_CONFIGS[3:]
+QUICK = 3  # --quick: first configs of each list only
+
+
+def skewed_counts(seed: int, tokens: int, experts: int, top_k: int, skew: float = 1.2) -> np.ndarray:
+  """Routed rows per expert: top-k distinct experts per token from a Zipf-like popularity."""
+  key = jax.random.key(seed)
+  logits = -skew * jnp.log1p(jnp.arange(experts, dtype=jnp.float32))
+  _, ids = jax.lax.top_k(logits + jax.random.gumbel(key, (tokens, experts)), top_k)
+  return np.bincount(np.asarray(ids).reshape(-1), minlength=experts)
+
+
+def timed(fn, *args, iters: int = 10, reps: int = 3) -> float:
+  """Seconds per call: the best of `reps` back-to-back batches of `iters` calls."""
+  jax.block_until_ready(fn(*args))
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(iters):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    best = min(best, (time.perf_counter() - t0) / iters)
+  return best
+
+
+def err_line(exc: BaseException) -> str:
+  lines = [l for l in str(exc).splitlines() if l.strip()]
+  return f"{type(exc).__name__}: {(lines[0] if lines else '')[:400]}"
+
+
+def rel(a, ref, rows=None) -> float:
+  a, ref = a.astype(jnp.float32), ref.astype(jnp.float32)
+  if rows is not None:
+    a, ref = a[:rows], ref[:rows]
+  return float(jnp.linalg.norm(a - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
+# ---------------------------------------------------------------------------------- references
+
+
+@jax.jit
+def ref_rows(a, b, tile_group, scales):
+  """float32 scales[g] * a[rows of g] @ b[g]^T (b: (G, Nout, C)), one 128-row tile at a time."""
+  t = tile_group.shape[0]
+  a_t = a.astype(jnp.bfloat16).reshape(t, -1, a.shape[1])  # FP8 values are exact in bf16
+
+  def one(args):
+    at, g = args
+    gg = jnp.maximum(g, 0)
+    y = jnp.dot(at, b[gg].astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scales[gg]
+    return jnp.where(g >= 0, y, 0.0)
+
+  return jax.lax.map(one, (a_t, tile_group), batch_size=8).reshape(a.shape[0], -1)
+
+
+@jax.jit
+def ref_contract(a, b, group_sizes, scales):
+  """float32 scales[g] * a[:, tokens of g] @ b[:, tokens of g]^T; a (Mout, T), b (Nout, T)."""
+  ends = jnp.cumsum(group_sizes)
+  tok = jnp.arange(a.shape[1])
+
+  def one(g):
+    mask = (tok >= ends[g] - group_sizes[g]) & (tok < ends[g])
+    am = jnp.where(mask[None, :], a.astype(jnp.bfloat16), 0)
+    return jnp.dot(am, b.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scales[g]
+
+  return jax.lax.map(one, jnp.arange(group_sizes.shape[0]))
+
+
+# ---------------------------------------------------------------------------------- problem
+
+
+@dataclasses.dataclass
+class Problem:
+  name: str
+  hidden: int
+  ffn: int
+  experts: int
+  rows: int  # dispatch buffer rows
+  real: int  # routed rows (useful)
+  counts: np.ndarray
+  sizes: jax.Array  # padded group sizes
+
+
+def make_problem(name: str, seed: int = 0) -> Problem:
+  s = SHAPES[name]
+  counts = skewed_counts(seed, s["tokens"], s["experts"], s["top_k"])
+  padded = -(-counts // mz.ROW_ALIGNMENT) * mz.ROW_ALIGNMENT
+  rows = -(-(s["tokens"] * s["top_k"] + s["experts"] * (mz.ROW_ALIGNMENT - 1)) // mz.ROW_ALIGNMENT) * mz.ROW_ALIGNMENT
+  return Problem(name, s["hidden"], s["ffn"], s["experts"], rows, int(counts.sum()), counts, jnp.asarray(padded, jnp.int32))
+
+
+def real_rows_mask(p: Problem) -> jax.Array:
+  ends = np.cumsum(np.asarray(p.sizes))
+  starts = ends - np.asarray(p.sizes)
+  mask = np.zeros(p.rows, bool)
+  for s, c in zip(starts, p.counts):
+    mask[s:s + c] = True
+  return jnp.asarray(mask)
+
+
+def operands(p: Problem, key):
+  """bf16 activations/gradients (zero off the real rows) and weights of the expert MLP."""
+  mask = real_rows_mask(p)[:, None]
+  ks = jax.random.split(key, 5)
+  h, f, g = p.hidden, p.ffn, p.experts
+  x = jnp.where(mask, jax.random.normal(ks[0], (p.rows, h)), 0).astype(jnp.bfloat16)
+  act = jnp.where(mask, jax.random.normal(ks[1], (p.rows, f)), 0).astype(jnp.bfloat16)
+  wi = (jax.random.normal(ks[2], (g, h, 2 * f)) * h**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(ks[3], (g, f, h)) * f**-0.5).astype(jnp.bfloat16)
+  dy_up = jnp.where(mask, jax.random.normal(ks[4], (p.rows, 2 * f)), 0).astype(jnp.bfloat16)
+  dy_down = jnp.where(mask, jax.random.normal(jax.random.fold_in(key, 9), (p.rows, h)), 0).astype(jnp.bfloat16)
+  return dict(x=x, act=act, wi=wi, wo=wo, dy_up=dy_up, dy_down=dy_down)
+
+
+def gemm_specs(p: Problem, ops):
+  """The six FP8 GEMMs: name -> (form, a, b, scales, flops, bf16 originals (a, b) for the recipe error)."""
+  sizes = p.sizes
+  q = jax.jit(mz.quantize_rows, static_argnums=2)
+  qe = jax.jit(mz.quantize_experts, static_argnums=1)
+  xq, sx = q(ops["x"], sizes, mz.E4M3)
+  aq, sa = q(ops["act"], sizes, mz.E4M3)
+  dq_up, s_up = q(ops["dy_up"], sizes, mz.E5M2)
+  dq_dn, s_dn = q(ops["dy_down"], sizes, mz.E5M2)
+  wiq, swi = qe(ops["wi"], mz.E4M3)
+  woq, swo = qe(ops["wo"], mz.E4M3)
+  tr = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))
+  r, h, f = p.real, p.hidden, p.ffn
+  return {
+      "gateup_fwd": ("rows", xq, tr(wiq), 1 / (sx * swi), 2 * r * h * 2 * f, (ops["x"], tr(ops["wi"]))),
+      "down_fwd": ("rows", aq, tr(woq), 1 / (sa * swo), 2 * r * f * h, (ops["act"], tr(ops["wo"]))),
+      "gateup_dgrad": ("rows", dq_up, wiq, 1 / (s_up * swi), 2 * r * 2 * f * h, (ops["dy_up"], ops["wi"])),
+      "down_dgrad": ("rows", dq_dn, woq, 1 / (s_dn * swo), 2 * r * h * f, (ops["dy_down"], ops["wo"])),
+      "gateup_wgrad": ("contract", tr(xq), tr(dq_up), 1 / (sx * s_up), 2 * r * h * 2 * f, (tr(ops["x"]), tr(ops["dy_up"]))),
+      "down_wgrad": ("contract", tr(aq), tr(dq_dn), 1 / (sa * s_dn), 2 * r * f * h, (tr(ops["act"]), tr(ops["dy_down"]))),
+  }
+
+
+def kernel_fn(form, cfg, sizes):
+  if form == "rows":
+    return lambda a, b, s: mz.ragged_rows_matmul(a, b, sizes, s, config=cfg)
+  return lambda a, b, s: mz.ragged_contract_matmul(a, b, sizes, s, config=cfg)
+
+
+def reference(form, a, b, sizes, scales, block_m=128):
+  if form == "rows":
+    return ref_rows(a, b, mz.tile_groups(sizes, a.shape[0] // block_m, block_m), scales)
+  return ref_contract(a, b, sizes, scales)
+
+
+def sweep_gemm(name, spec, p: Problem, configs, pool):
+  form, a, b, scales, flops, originals = spec
+  out = {"flops": flops, "form": form, "configs": []}
+  ref = reference(form, a, b, p.sizes, scales)
+  lowered = []
+  for cfg in configs:
+    try:
+      lowered.append((cfg, jax.jit(kernel_fn(form, cfg, p.sizes)).lower(a, b, scales)))
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      out["configs"].append({"config": cfg.name(), "fields": dataclasses.asdict(cfg), "error": err_line(exc)})
+  compiled = list(pool.map(lambda cl: _try(lambda: cl[1].compile()), lowered))
+  best = None
+  for (cfg, _), comp in zip(lowered, compiled):
+    rec = {"config": cfg.name(), "fields": dataclasses.asdict(cfg)}
+    try:
+      if isinstance(comp, BaseException):
+        raise comp
+      y = comp(a, b, scales)
+      rec["finite"] = bool(jnp.isfinite(y.astype(jnp.float32)).all())
+      if form == "rows":
+        rec["spare_rows_zero"] = bool((y[int(p.sizes.sum()):] == 0).all())
+      else:
+        rec["empty_experts_zero"] = bool((y[np.asarray(p.sizes) == 0] == 0).all())
+      rec["rel_err_same_operands"] = rel(y, ref)
+      del y
+      sec = timed(comp, a, b, scales)
+      rec["ms"] = sec * 1e3
+      rec["tflops"] = flops / sec / 1e12
+      ok = rec["finite"] and rec["rel_err_same_operands"] < 1e-2 and rec.get("spare_rows_zero", True) \
+          and rec.get("empty_experts_zero", True)
+      rec["ok"] = ok
+      if ok and (best is None or rec["tflops"] > best[1]["tflops"]):
+        best = (cfg, rec)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      rec["error"] = err_line(exc)
+    out["configs"].append(rec)
+    print(f"  {name} {rec['config']}: " + (f"{rec['tflops']:.0f} TFLOP/s, err {rec['rel_err_same_operands']:.1e}"
+                                            if "tflops" in rec else rec.get("error", "?")), flush=True)
+  del ref
+  if best is not None:
+    out["best"] = {"config": best[0].name(), "fields": dataclasses.asdict(best[0]), "tflops": best[1]["tflops"],
+                   "ms": best[1]["ms"]}
+    # the FP8 recipe's error: the best config's output against float32 on the bf16 originals
+    try:
+      y = jax.jit(kernel_fn(form, best[0], p.sizes))(a, b, scales)
+      ref0 = reference(form, originals[0], originals[1], p.sizes, jnp.ones((p.experts,), jnp.float32))
+      out["best"]["recipe_rel_err_vs_bf16"] = rel(y, ref0)
+      del y, ref0
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      out["best"]["recipe_error"] = err_line(exc)
+  return out, (best[0] if best else None)
+
+
+def _try(fn):
+  try:
+    return fn()
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    return exc
+
+
+# ---------------------------------------------------------------------------------- comparators
+
+
+def te_grouped(x, w, sizes, fp8=True):
+  from transformer_engine.jax.dense import grouped_dense  # pylint: disable=import-outside-toplevel
+  from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode  # pylint: disable=import-outside-toplevel
+
+  qs = QuantizerFactory.create_set(
+      scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2,
+      n_groups=w.shape[0],
+  )
+  covering = sizes.at[-1].add(x.shape[0] - jnp.sum(sizes))  # TE's FP8 path needs sum == rows
+  return grouped_dense(x, w, covering, contracting_dims=((1,), (1,)), preferred_element_type=jnp.bfloat16,
+                       quantizer_set=qs)
+
+
+def te_dense(x, w):
+  from transformer_engine.jax.dense import dense  # pylint: disable=import-outside-toplevel
+  from transformer_engine.jax.quantize import QuantizerFactory, ScalingMode  # pylint: disable=import-outside-toplevel
+
+  qs = QuantizerFactory.create_set(
+      scaling_mode=ScalingMode.CURRENT_TENSOR_SCALING, fwd_dtype=jnp.float8_e4m3fn, bwd_dtype=jnp.float8_e5m2
+  )
+  return dense(x, w, contracting_dims=((1,), (0,)), quantizer_set=qs)
+
+
+def fwd_and_fwdbwd(matmul, x, w, sizes, cot):
+  fwd = jax.jit(lambda x, w: matmul(x, w, sizes))
+
+  def loss(x, w):
+    return jnp.sum(matmul(x, w, sizes).astype(jnp.float32) * cot)
+
+  return fwd, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
+def comparators(p: Problem, ops, best_cfgs, skip_te: bool, save=lambda res: None, only=()):
+  """Per forward GEMM: TE grouped FP8, dense ceilings, grouped_matmul end to end, bf16 paths."""
+  res = {}
+  r = p.real
+  for gemm, x, w, cot in (("gateup", ops["x"], ops["wi"], ops["dy_up"]), ("down", ops["act"], ops["wo"], ops["dy_down"])):
+    k, n = w.shape[1], w.shape[2]
+    flops = 2 * r * k * n
+    rec = {"flops_fwd": flops, "flops_fwdbwd": 3 * flops}
+    cot = cot.astype(jnp.float32)
+    cfgs = mz.GemmConfigs(best_cfgs.get(f"{gemm}_fwd"), best_cfgs.get(f"{gemm}_dgrad"), best_cfgs.get(f"{gemm}_wgrad"))
+    paths = {
+        "mosaic_fp8": lambda x, w, s: mz.grouped_matmul(x, w, s, fp8=True, configs=cfgs),
+        "mosaic_bf16": lambda x, w, s: mz.grouped_matmul(x, w, s, fp8=False),
+    }
+    if not skip_te:
+      paths["te_grouped_fp8"] = te_grouped
+    try:
+      import tokamax  # pylint: disable=import-outside-toplevel
+
+      paths["tokamax_bf16"] = lambda x, w, s: tokamax.ragged_dot(x, w, s, implementation="mosaic")
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      rec["tokamax_bf16_error"] = err_line(exc)
+    for name, mm in paths.items():
+      if only and name not in only:
+        continue
+      t0 = time.time()
+      try:
+        fwd, fb = fwd_and_fwdbwd(mm, x, w, p.sizes, cot)
+        rec[f"{name}_fwd_tflops"] = flops / timed(fwd, x, w) / 1e12
+        rec[f"{name}_fwdbwd_tflops"] = 3 * flops / timed(fb, x, w) / 1e12
+      except Exception as exc:  # pylint: disable=broad-exception-caught
+        rec[f"{name}_error"] = err_line(exc)
+      rec[f"{name}_wall_s"] = time.time() - t0  # compile + timing: what a device call spends here
+      save({**res, gemm: rec})
+      print(f"  {gemm} {name}: " + ", ".join(f"{k2} {v:.0f}" if isinstance(v, float) else f"{k2} {v}"
+                                            for k2, v in rec.items() if k2.startswith(name)), flush=True)
+    # dense ceilings on the real rows
+    xd, wd = x[:r], w[0]
+    try:
+      xq = xd.astype(mz.E4M3)
+      wqt = wd.T.astype(mz.E4M3)
+      dot = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16))
+      rec["xla_dense_fp8_prequantized_tflops"] = flops / timed(dot, xq, wqt) / 1e12
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      rec["xla_dense_fp8_error"] = err_line(exc)
+    if not skip_te:
+      try:
+        rec["te_dense_fp8_fwd_tflops"] = flops / timed(jax.jit(te_dense), xd, wd) / 1e12
+      except Exception as exc:  # pylint: disable=broad-exception-caught
+        rec["te_dense_fp8_error"] = err_line(exc)
+    print(f"  {gemm} dense: " + ", ".join(f"{k2} {v:.0f}" for k2, v in rec.items() if "dense" in k2 and isinstance(v, float)),
+          flush=True)
+    res[gemm] = rec
+    save(res)
+  return res
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def plot(result, path):
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return
+  shapes = [s for s in result["shapes"] if result["shapes"][s].get("gemms")]
+  if not shapes:
+    return
+  fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4), squeeze=False)
+  for ax, s in zip(axes[0], shapes):
+    gemms = result["shapes"][s]["gemms"]
+    names = list(gemms)
+    best = [gemms[g].get("best", {}).get("tflops", 0) for g in names]
+    ax.bar(range(len(names)), best, color="#76b900", label="temoe mosaic FP8 (best config)")
+    comp = result["shapes"][s].get("comparators", {})
+    for i, g in enumerate(names):
+      base = g.split("_")[0]
+      c = comp.get(base, {})
+      if g.endswith("_fwd"):
+        for key, color, lab in (("te_grouped_fp8_fwd_tflops", "#1f77b4", "TE grouped_dense FP8 fwd (incl. quant)"),
+                                ("xla_dense_fp8_prequantized_tflops", "#d62728", "dense FP8 GEMM (cuBLASLt)"),
+                                ("te_dense_fp8_fwd_tflops", "#9467bd", "TE dense FP8 fwd (incl. quant)")):
+          if key in c:
+            ax.plot([i - 0.4, i + 0.4], [c[key]] * 2, color=color, lw=2, label=lab if i == 0 else None)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("TFLOP/s (useful)")
+    ax.set_title(s)
+    ax.legend(fontsize=7, loc="lower right")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default="bench/results")
+  parser.add_argument("--shapes", default="dsv3,dsv3_ep8,qwen3_30b_a3b")
+  parser.add_argument("--gemms", default="gateup_fwd,down_fwd,gateup_dgrad,down_dgrad,gateup_wgrad,down_wgrad")
+  parser.add_argument("--quick", action="store_true", help=f"first {QUICK} configs per GEMM only")
+  parser.add_argument("--max-configs", type=int, default=None, help="first N configs per GEMM only")
+  parser.add_argument("--no-comparators", action="store_true")
+  parser.add_argument("--skip-te", action="store_true")
+  parser.add_argument("--comparators", default="", help="comma list: mosaic_fp8,mosaic_bf16,te_grouped_fp8,"
+                      "tokamax_bf16 (default: all; the dense ceilings always run)")
+  parser.add_argument("--interpret", action="store_true", help="CPU plumbing check: GPU interpret mode, 2 'SMs'")
+  parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing mosaic_gemm.json")
+  args = parser.parse_args()
+  if args.plot_only:
+    with open(args.plot_only, encoding="utf-8") as f:
+      plot(json.load(f), os.path.join(os.path.dirname(args.plot_only), "mosaic_gemm.png"))
+    return
+  if args.interpret:
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+
+    plgpu.set_gpu_interpret_mode(plgpu.InterpretGPUParams())
+    mz.num_sms = lambda: 2
+  out_dir = args.out[:-len("mosaic_gemm.json")] if args.out.endswith("mosaic_gemm.json") else args.out
+  os.makedirs(out_dir or ".", exist_ok=True)
+  json_path = os.path.join(out_dir, "mosaic_gemm.json")
+  dev = jax.devices()[0]
+  result = {
+      "command": " ".join(["python3", "bench/mosaic_gemm.py", *sys.argv[1:]]),
+      "device": dev.device_kind,
+      "num_sms": mz.num_sms(),
+      "jax": jax.__version__,
+      "timing": "best of 3 batches of 10 back-to-back calls, wall clock after a warm-up call",
+      "shapes": {},
+  }
+  pool = concurrent.futures.ThreadPoolExecutor(8)
+  t_start = time.time()
+
+  def on_term(*_):
+    raise KeyboardInterrupt("SIGTERM")
+
+  signal.signal(signal.SIGTERM, on_term)
+  try:
+    run_shapes(args, result, json_path, pool, t_start)
+  except KeyboardInterrupt as exc:
+    result["interrupted"] = f"{exc} after {time.time() - t_start:.0f} s"
+    print("interrupted:", result["interrupted"], flush=True)
+  result["elapsed_s"] = time.time() - t_start
+  with open(json_path, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=1)
+  plot(result, os.path.join(out_dir, "mosaic_gemm.png"))
+  summary = {s: {g: v.get("best", {}).get("tflops") for g, v in r["gemms"].items()} for s, r in result["shapes"].items()}
+  print(json.dumps(summary, indent=1))
+
+
+def run_shapes(args, result, json_path, pool, t_start):
+  for s in args.shapes.split(","):
+    p = make_problem(s)
+    sres = {
+        "dims": SHAPES[s], "buffer_rows": p.rows, "real_rows": p.real, "loads": p.counts.tolist(),
+        "load_max_over_mean": float(p.counts.max() / p.counts.mean()), "empty_experts": int((p.counts == 0).sum()),
+        "gemms": {},
+    }
+    result["shapes"][s] = sres
+    print(f"{s}: rows {p.rows} (real {p.real}), load max/mean {sres['load_max_over_mean']:.2f}", flush=True)
+    ops = operands(p, jax.random.key(1))
+    specs = gemm_specs(p, ops)
+    best_cfgs = {}
+    for g in [g for g in args.gemms.split(",") if g and g != "none"]:
+      form = specs[g][0]
+      configs = ROWS_CONFIGS if form == "rows" else CONTRACT_CONFIGS
+      configs = configs[:QUICK] if args.quick else configs
+      configs = configs[:args.max_configs] if args.max_configs else configs
+      try:
+        sres["gemms"][g], best_cfgs[g] = sweep_gemm(g, specs[g], p, configs, pool)
+      except Exception as exc:  # pylint: disable=broad-exception-caught
+        sres["gemms"][g] = {"error": err_line(exc), "traceback": traceback.format_exc()[-2000:]}
+      with open(json_path, "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    del specs
+    if not args.no_comparators:
+      def save(res, sres=sres):
+        sres["comparators"] = res
+        with open(json_path, "w", encoding="utf-8") as f:
+          json.dump(result, f, indent=1)
+
+      only = tuple(c for c in args.comparators.split(",") if c)
+      sres["comparators"] = comparators(p, ops, best_cfgs, args.skip_te, save, only)
+    result["elapsed_s"] = time.time() - t_start
+    with open(json_path, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+    del ops
+
+
+if __name__ == "__main__":
+  main()

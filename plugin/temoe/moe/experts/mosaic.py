@@ -1,0 +1,40 @@
+"""The expert MLP on temoe's Pallas Mosaic GPU grouped GEMMs for Hopper (`mosaic_gemm`): group sizes
+stay on the device, one kernel launch per GEMM, no host sync, so the step is CUDA-graph friendly.
+
+Same contract as `xla.mlp` (activation hook, row biases, MaxText's remat names): one grouped GEMM
+over MaxText's fused [gate | up] `wi`, the activation, one over `wo`; each GEMM carries its own
+custom VJP (dgrad and wgrad kernels). `te_fp8_current` runs them in FP8 with per-expert current
+scaling (E4M3 forward, E5M2 gradients), `te_no_quant` in bf16. Groups are padded to the kernels'
+128-row tiles by dispatch (the recipe registry's alignment).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from temoe import recipes
+from temoe.moe.dispatch import DispatchPlan
+from temoe.moe.experts import mosaic_gemm, parts
+
+
+def mlp(
+    ctx,
+    x: jax.Array,
+    p: DispatchPlan,
+    wi: jax.Array,
+    wo: jax.Array,
+    biases: tuple[jax.Array | None, jax.Array | None, jax.Array | None],
+    rows_expert: jax.Array | None,
+) -> jax.Array:
+  """Expert MLP on the expert-sorted buffer `x` (p.buffer_rows, emb); same contract as `xla.mlp`."""
+  fp8 = recipes.REGISTRY[ctx.recipe].fp8
+  sizes = p.padded_group_sizes
+
+  def gemm(a, w):
+    return mosaic_gemm.grouped_matmul(a.astype(ctx.dtype), w.astype(ctx.dtype), sizes, fp8=fp8, out_dtype=ctx.dtype)
+
+  w0_bias, w1_bias, wo_bias = biases
+  w0, w1 = parts.split_gate_up(gemm(x, wi))
+  w0, w1 = parts.tag_up(parts.add_row_bias(w0, w0_bias, rows_expert), parts.add_row_bias(w1, w1_bias, rows_expert))
+  y = gemm(ctx.activation(w0, w1), wo)
+  return parts.tag_down(parts.add_row_bias(y, wo_bias, rows_expert))

@@ -1,0 +1,679 @@
+"""temoe's own sync-free grouped GEMMs for Hopper (sm_90), in JAX Pallas Mosaic GPU: FP8 and bf16.
+
+Group sizes never leave the GPU: one kernel launch per GEMM, static shapes, no host callback, no
+per-expert launches (TE 2.20's FP8 `grouped_dense` copies group sizes to the host and launches one
+cuBLAS GEMM per expert). Public API:
+
+* `ROW_ALIGNMENT`: expert groups must be padded (with zero rows) to multiples of this; the rows past
+  sum(group_sizes) are spare and come back exactly zero (and get exactly zero dx).
+* `grouped_matmul(x, w, group_sizes, fp8=...)`: rows of group g times w[g], with a custom VJP
+  (FP8: E4M3 forward, E5M2 gradient, current scaling per expert, fp32 epilogue, bf16 outputs).
+* `TileConfig` / `GemmConfigs` / `default_config`: tile shapes, the sweep's defaults per GEMM, and a
+  way to pass them explicitly (bench/mosaic_gemm.py).
+* `check_shapes(k, n)`: config-time check; raises a one-line ValueError when K or N cannot run.
+* `ragged_rows_matmul` / `ragged_contract_matmul`: the two kernels (forward & dgrad form; wgrad
+  form), exposed for tests and the benchmark.
+
+Kernel: a persistent, warp-specialised grid over the SMs the device reports. Each CTA has one TMA
+producer warpgroup and `compute_wgs` wgmma warpgroups (each owns block_m / compute_wgs rows of the
+block_m x block_n output tile). The producer runs one continuous multi-stage ring over the CTA's
+whole tile sequence, so the next tile's loads overlap the current tile's epilogue (fp32 accumulator
+-> per-group scale -> out dtype -> SMEM -> TMA store). FP8 wgmma needs the contraction dim
+contiguous for both operands, so every FP8 GEMM is "A (rows, C) x B (cols, C)^T": forward reads an
+FP8 copy of w^T (G, N, K), dgrad reads w (G, K, N) as stored, wgrad reads FP8 copies of x^T (K, M)
+and dy^T (N, M); the casts/transposes are plain JAX so XLA fuses them. bf16 uses the stored layouts
+directly (16-bit operands may be transposed in SMEM), so the bf16 path needs no transposes.
+
+Scheduling (plain functions, unit-tested on CPU): `tile_groups` maps each block_m row tile to its
+expert (-1 = spare rows: the tile skips the K loop and stores zeros); `contraction_schedule` gives
+each expert's first token block and block count for wgrad (an empty expert's tiles store zeros) and
+orders experts largest-first so the round-robin over SMs starts with the longest tiles;
+`tile_coords` rasters output tiles in bands of `grid_block_n` column tiles for L2 reuse. Tile i of
+the grid is handled by SM i % num_sms.
+
+FP8 scaling: per-expert current scaling for x, w and dy (amax on device each call). The kernels
+know every tile's expert, so per-expert scales fold into the fp32 epilogue for free (one multiply
+by 1 / (s_a[g] * s_b[g])); the amax pass costs the same as a per-tensor one; and an expert whose
+activations or weights are smaller than the largest expert's keeps the full FP8 range instead of
+sliding into subnormals. Optionally (`TileConfig.promote`) the wgmma accumulator is flushed into a
+separate fp32 register sum every `promote` k-blocks (Hopper's FP8 wgmma accumulates with reduced
+precision over long K); the sweep measures what it costs.
+
+CPU: Pallas Mosaic GPU kernels do run in GPU interpret mode on CPU in JAX 0.11.2
+(`plgpu.force_gpu_interpret_mode`), so tests/unit/test_mosaic_schedule.py runs these kernels on tiny
+shapes there (slowly; performance only on the GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROW_ALIGNMENT = 128  # groups padded to multiples of this; tiles never straddle two experts
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+_FP8 = (jnp.dtype(E4M3), jnp.dtype(E5M2))
+_SMEM_BYTES = 227 * 1024
+_SWIZZLE = 128  # bytes: every operand tile row is 128 bytes (128 FP8 / 64 bf16 elements)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """One kernel's tile shape. block_m x block_n is the CTA's output tile; compute_wgs wgmma
+  warpgroups split its rows (each owns block_m // compute_wgs rows, a multiple of 64); block_k is
+  the contraction per pipeline stage (None: 128 bytes of the operand dtype); stages is the depth of
+  the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
+  chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
+  sum every `promote` k-blocks."""
+
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int | None = None
+  stages: int = 4
+  compute_wgs: int = 2
+  grid_block_n: int = 4
+  epi_n: int | None = None
+  promote: int = 0
+
+  def name(self) -> str:
+    s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
+    if self.epi_n:
+      s += f"e{self.epi_n}"
+    if self.promote:
+      s += f"p{self.promote}"
+    return s
+
+  def resolved_block_k(self, dtype) -> int:
+    return self.block_k or _SWIZZLE // jnp.dtype(dtype).itemsize
+
+  def resolved_epi_n(self) -> int:
+    return self.epi_n or min(self.block_n, 128)
+
+  def smem_bytes(self, a_dtype, b_dtype, out_dtype) -> int:
+    bk = self.resolved_block_k(a_dtype)
+    stage = self.block_m * bk * jnp.dtype(a_dtype).itemsize + self.block_n * bk * jnp.dtype(b_dtype).itemsize
+    return self.stages * stage + self.block_m * self.resolved_epi_n() * jnp.dtype(out_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfigs:
+  """Tile configs of grouped_matmul's three GEMMs (None: default_config for the shape)."""
+
+  fwd: TileConfig | None = None
+  dgrad: TileConfig | None = None
+  wgrad: TileConfig | None = None
+
+
+# Defaults per GEMM form and dtype. FP8: the best config of every one of the six dsv3 GEMMs in both
+# H200 sweeps (bench/results/mosaic_gemm.json, mosaic_gemm.run1.json: 1,311-1,428 TFLOP/s); the
+# dsv3_ep8 and qwen3 shapes were not swept. bf16: the same tile shape, not swept (its 128-byte
+# k-block is 64 elements, so a stage is the same size).
+_DEFAULTS = {
+    ("rows", True): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("rows", False): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("contract", True): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("contract", False): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+}
+
+
+def default_config(form: str, fp8: bool, n_out: int, m_out: int | None = None) -> TileConfig:
+  """The default TileConfig for a kernel form ("rows": fwd/dgrad, "contract": wgrad) whose output
+  has n_out columns (and, for "contract", m_out rows); narrows block_n/block_m until they divide."""
+  cfg = _DEFAULTS[(form, bool(fp8))]
+  bn = cfg.block_n
+  while n_out % bn:
+    bn //= 2
+  bm = cfg.block_m
+  if m_out is not None:
+    while m_out % bm:
+      bm //= 2
+  wgs = cfg.compute_wgs if bm // cfg.compute_wgs >= 64 else 1
+  epi = cfg.epi_n if cfg.epi_n is None or bn % cfg.epi_n == 0 else None
+  return dataclasses.replace(cfg, block_n=bn, block_m=bm, compute_wgs=wgs, epi_n=epi)
+
+
+def check_shapes(k: int, n: int) -> None:
+  """Raises ValueError (one line) if grouped_matmul cannot run with contraction K and output N."""
+  bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v <= 0 or v % 128]
+  if bad:
+    fix = ", ".join(f"{name}={max(128, -(-v // 128) * 128)}" for name, v in (("K", k), ("N", n)))
+    raise ValueError(
+        f"temoe mosaic grouped GEMM needs K and N to be positive multiples of 128, got {', '.join(bad)}; "
+        f"pad to {fix} or use the xla/te expert backend."
+    )
+
+
+def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols: int, contract: int, form: str):
+  """Static checks that would otherwise surface as obscure lowering errors."""
+  bk = cfg.resolved_block_k(a_dtype)
+  wm = cfg.block_m // cfg.compute_wgs
+  problems = []
+  if jnp.dtype(a_dtype).itemsize != jnp.dtype(b_dtype).itemsize:
+    problems.append(f"operand dtypes {a_dtype}/{b_dtype} differ in width")
+  if (bk * jnp.dtype(a_dtype).itemsize) % _SWIZZLE:
+    problems.append(f"block_k={bk} is not a multiple of {_SWIZZLE} bytes")
+  if cfg.block_m % cfg.compute_wgs or wm % 64:
+    problems.append(f"block_m={cfg.block_m} / compute_wgs={cfg.compute_wgs} is not a multiple of 64")
+  if form == "rows" and ROW_ALIGNMENT % cfg.block_m:
+    problems.append(f"block_m={cfg.block_m} must divide ROW_ALIGNMENT={ROW_ALIGNMENT}")
+  if form == "contract" and ROW_ALIGNMENT % bk:
+    problems.append(f"block_k={bk} must divide ROW_ALIGNMENT={ROW_ALIGNMENT} for the wgrad form")
+  if cfg.block_n % 64 or cfg.block_n > 256:
+    problems.append(f"block_n={cfg.block_n} must be a multiple of 64 and <= 256")
+  epi = cfg.resolved_epi_n()
+  if cfg.block_n % epi or epi % 32:
+    problems.append(f"epi_n={epi} must divide block_n={cfg.block_n}")
+  if rows % cfg.block_m:
+    problems.append(f"{rows} output rows not a multiple of block_m={cfg.block_m}")
+  if cols % cfg.block_n:
+    problems.append(f"{cols} output columns not a multiple of block_n={cfg.block_n}")
+  if form == "rows" and contract % bk:
+    problems.append(f"contraction {contract} not a multiple of block_k={bk}")
+  if cfg.smem_bytes(a_dtype, b_dtype, out_dtype) > _SMEM_BYTES:
+    problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype)} bytes of SMEM > {_SMEM_BYTES}")
+  if cfg.stages < 2:
+    problems.append("stages must be >= 2")
+  if problems:
+    raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
+
+
+def num_sms() -> int:
+  """SMs of the default device (the persistent grid's size)."""
+  dev = jax.devices()[0]
+  n = getattr(dev, "core_count", None)
+  if not n:
+    raise RuntimeError(f"device {dev} reports no core_count; pass num_sms explicitly")
+  return int(n)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scheduling (plain JAX; the kernel reads the tables these produce)
+
+
+def tile_groups(group_sizes: jax.Array, num_tiles: int, block_m: int) -> jax.Array:
+  """(num_tiles,) int32: the expert owning rows [t*block_m, (t+1)*block_m), or -1 past the groups.
+
+  Groups are assumed padded to multiples of block_m (ROW_ALIGNMENT), so no tile straddles two.
+  """
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  starts = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
+  g = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+  return jnp.where(starts < ends[-1], g, -1).astype(jnp.int32)
+
+
+def contraction_schedule(group_sizes: jax.Array, block_k: int):
+  """For the wgrad form: (order, start_block, num_blocks), each (G,) int32.
+
+  order lists experts largest first (stable); expert g's tokens are blocks
+  [start_block[g], start_block[g] + num_blocks[g]) of block_k tokens (0 blocks: empty expert).
+  """
+  gs = group_sizes.astype(jnp.int32)
+  starts = jnp.cumsum(gs) - gs
+  order = jnp.argsort(-gs, stable=True).astype(jnp.int32)
+  return order, (starts // block_k).astype(jnp.int32), (gs // block_k).astype(jnp.int32)
+
+
+def tile_coords(lin, grid_m: int, grid_n: int, band: int):
+  """Linear tile index -> (row tile, column tile): bands of `band` column tiles, row-major inside.
+
+  Works on Python ints, numpy or JAX int32 scalars (the kernel calls it on traced scalars).
+  """
+  band = max(1, min(band, grid_n))
+  per_band = grid_m * band
+  b = lin // per_band
+  r = lin % per_band
+  width = _minimum(band, grid_n - b * band)
+  return r // width, b * band + r % width
+
+
+def _minimum(a, b):
+  if isinstance(a, int) and isinstance(b, int):
+    return min(a, b)
+  return jnp.minimum(a, b)
+
+
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+  """(rows,) int32 expert of each row; G (out of range) for spare rows past the groups."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  r = jnp.arange(rows, dtype=jnp.int32)
+  return jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# The kernel
+
+
+def _smem_transforms(dtype):
+  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def _out_transforms(dtype, epi_n):
+  swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(dtype).itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _grouped_kernel(
+    *,
+    form: str,
+    a_shape,
+    b_shape,
+    a_rc: bool,
+    b_rc: bool,
+    a_dtype,
+    b_dtype,
+    out_shape,
+    out_dtype,
+    num_groups: int,
+    cfg: TileConfig,
+    sms: int,
+    scaled: bool,
+    inplace: bool = False,
+):
+  """Builds the pallas kernel. form "rows": A (M, C) [a_rc] or (C, M), B (G, Nout, C) [b_rc] or
+  (G, C, Nout), out (M, Nout), ragged rows. form "contract": A (Mout, T) [a_rc] or (T, Mout),
+  B (Nout, T) [b_rc] or (T, Nout), out (G, Mout, Nout), ragged contraction over tokens T."""
+  bm, bn, S, C = cfg.block_m, cfg.block_n, cfg.stages, cfg.compute_wgs
+  bk = cfg.resolved_block_k(a_dtype)
+  wm = bm // C
+  epi = cfg.resolved_epi_n()
+  if form == "rows":
+    rows, cols = out_shape
+    contract = a_shape[1] if a_rc else a_shape[0]
+  else:
+    _, rows, cols = out_shape
+    contract = None
+  grid_m, grid_n = rows // bm, cols // bn
+  tiles_per_plane = grid_m * grid_n
+  num_tiles = tiles_per_plane if form == "rows" else num_groups * tiles_per_plane
+  band = cfg.grid_block_n
+  nk_static = contract // bk if form == "rows" else None
+  b_block = (bn, bk) if b_rc else (bk, bn)
+  # "cr" A tiles are split per compute warpgroup (one TMA each): no slicing of the swizzled dim.
+  a_copies = 1 if a_rc else C
+  a_smem_shape = (S, bm, bk) if a_rc else (S, C, bk, wm)
+  copies_per_stage = a_copies + 1
+
+  def tile_info(t, sched_refs):
+    """(group, a_row0, b_row0, k_block0, num_k_blocks, out_row0, out_col0) of output tile t."""
+    if form == "rows":
+      (tg_ref,) = sched_refs
+      mi, ni = tile_coords(t, grid_m, grid_n, band)
+      g = tg_ref[mi]
+      valid = g >= 0
+      g = jnp.maximum(g, 0)
+      nk = jnp.where(valid, jnp.int32(nk_static), jnp.int32(0))
+      return g, mi * bm, ni * bn, jnp.int32(0), nk, mi * bm, ni * bn
+    order_ref, start_ref, nblk_ref = sched_refs
+    gi = t // tiles_per_plane
+    mi, ni = tile_coords(t % tiles_per_plane, grid_m, grid_n, band)
+    g = order_ref[gi]
+    return g, mi * bm, ni * bn, start_ref[g], nblk_ref[g], mi * bm, ni * bn
+
+  def body(*refs):
+    n_sched = 1 if form == "rows" else 3
+    sched_refs = refs[:n_sched]
+    a_gmem, b_gmem, scale_gmem, o_gmem = refs[n_sched:]
+
+    sm = lax.axis_index("sm")
+    n_local = (num_tiles - sm + (sms - 1)) // sms  # tiles sm, sm + sms, ... < num_tiles
+
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM(a_smem_shape, a_dtype, transforms=_smem_transforms(a_dtype)),
+        b_smem=plgpu.SMEM((S, *b_block), b_dtype, transforms=_smem_transforms(b_dtype)),
+        o_smem=plgpu.SMEM((C, wm, epi), out_dtype, transforms=_out_transforms(out_dtype, epi)),
+        produced=plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=S),
+        consumed=plgpu.Barrier(num_arrivals=C, num_barriers=S),
+        collective_axes="wg",
+    )
+    def scope(a_smem, b_smem, o_smem, produced, consumed):
+      wg = lax.axis_index("wg")
+
+      def b_view(g):
+        return b_gmem.at[g] if form == "rows" else b_gmem
+
+      @pl.when(wg == C)
+      def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def tile_loop(i, step):
+          g, a_row0, b_row0, k0, nk, _, _ = tile_info(sm + i * sms, sched_refs)
+          bsrc = b_view(g)
+
+          def k_loop(kk, step):
+            slot = lax.rem(step, S)
+
+            @pl.when(step >= S)
+            def _():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            kc = (k0 + kk) * bk
+            if a_rc:
+              plgpu.copy_gmem_to_smem(
+                  a_gmem.at[pl.ds(a_row0, bm), pl.ds(kc, bk)], a_smem.at[slot], produced.at[slot]
+              )
+            else:
+              for w in range(C):
+                plgpu.copy_gmem_to_smem(
+                    a_gmem.at[pl.ds(kc, bk), pl.ds(a_row0 + w * wm, wm)], a_smem.at[slot, w], produced.at[slot]
+                )
+            if b_rc:
+              bsl = bsrc.at[pl.ds(b_row0, bn), pl.ds(kc, bk)]
+            else:
+              bsl = bsrc.at[pl.ds(kc, bk), pl.ds(b_row0, bn)]
+            plgpu.copy_gmem_to_smem(bsl, b_smem.at[slot], produced.at[slot])
+            return step + 1
+
+          return lax.fori_loop(0, nk, k_loop, step)
+
+        total = lax.fori_loop(0, n_local, tile_loop, jnp.int32(0))
+        # Observe the last stages' releases too, so no barrier is left mid-phase at exit.
+        for j in range(S):
+          s = total - S + j
+
+          @pl.when(s >= 0)
+          def _():
+            plgpu.barrier_wait(consumed.at[lax.rem(jnp.maximum(s, 0), S)])
+
+      @pl.when(wg < C)
+      def _consumer():
+        plgpu.set_max_registers(232 if C > 1 else 256, action="increase")
+
+        def mma(acc, slot):
+          if a_rc:
+            a_op = a_smem.at[slot, pl.ds(wg * wm, wm)]
+          else:
+            a_op = a_smem.at[slot, wg].T
+          b_op = b_smem.at[slot].T if b_rc else b_smem.at[slot]
+          plgpu.wgmma(acc, a_op, b_op)
+
+        def k_loop(kk, step, lo, acc):
+          slot = lax.rem(step, S)
+          plgpu.barrier_wait(produced.at[slot])
+          mma(acc, slot)
+          plgpu.wgmma_wait(1)  # the previous step's wgmma is done reading its slot
+
+          @pl.when(kk > lo)
+          def _():
+            plgpu.barrier_arrive(consumed.at[lax.rem(step - 1 + S, S)])
+
+          return step + 1
+
+        def tile_loop(i, step):
+          g, _, _, _, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
+
+          def run_chunk(step, lo, hi):
+            """k-blocks [lo, hi) into a fresh accumulator; returns (step, fp32 value)."""
+
+            def acc_scope(acc):
+              step2 = lax.fori_loop(lo, hi, lambda kk, s: k_loop(kk, s, lo, acc), step)
+              val = acc[...]  # waits for every wgmma
+
+              @pl.when(hi > lo)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step2 - 1 + S, S)])
+
+              return step2, val
+
+            return pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
+
+          if cfg.promote:
+            # Flush into an fp32 register sum every `promote` k-blocks (a fresh accumulator each).
+            def chunk(c, carry):
+              step, total = carry
+              lo = c * cfg.promote
+              step, part = run_chunk(step, lo, jnp.minimum(nk, lo + cfg.promote))
+              return step, total + part
+
+            nchunks = (nk + (cfg.promote - 1)) // cfg.promote
+            step, val = lax.fori_loop(0, nchunks, chunk, (step, jnp.zeros((wm, bn), jnp.float32)))
+          else:
+            step, val = run_chunk(step, jnp.int32(0), nk)
+          if scaled:
+            val = val * scale_gmem[g]
+          val = val.astype(out_dtype)
+          r0 = o_row0 + wg * wm
+          for j in range(bn // epi):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # o_smem free again
+            o_smem[wg] = val[:, j * epi:(j + 1) * epi]
+            plgpu.commit_smem()
+            if form == "rows":
+              dst = o_gmem.at[pl.ds(r0, wm), pl.ds(o_col0 + j * epi, epi)]
+            else:
+              dst = o_gmem.at[g, pl.ds(r0, wm), pl.ds(o_col0 + j * epi, epi)]
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], dst)
+          return step
+
+        lax.fori_loop(0, n_local, tile_loop, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      body,
+      out_type=() if inplace else jax.ShapeDtypeStruct(out_shape, out_dtype),
+      grid=(sms,),
+      grid_names=("sm",),
+      num_threads=C + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+
+
+def _run(kern, args, out):
+  """Runs the kernel into a fresh buffer, or into `out` (aliased, written in place)."""
+  if out is None:
+    return kern(*args)
+  ref = jax.new_ref(out)
+  kern(*args, ref)
+  return jax.freeze(ref)
+
+
+def _scales_or_ones(scales, g):
+  if scales is None:
+    return jnp.ones((g,), jnp.float32), False
+  return jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (g,)), True
+
+
+def ragged_rows_matmul(
+    a: jax.Array,
+    b: jax.Array,
+    group_sizes: jax.Array,
+    scales: jax.Array | None = None,
+    *,
+    b_contract_minor: bool = True,
+    out_dtype=jnp.bfloat16,
+    config: TileConfig | None = None,
+    sms: int | None = None,
+    out: jax.Array | None = None,
+) -> jax.Array:
+  """out[r] = scales[g] * a[r] @ B[g] for the rows r of group g; rows past the groups are 0.
+
+  a (M, C); b (G, Nout, C) if b_contract_minor (contraction contiguous: any dtype, required for
+  FP8) else (G, C, Nout) (16-bit only); scales (G,) fp32 or None. The forward (a = x, b = w^T) and
+  dgrad (a = dy, b = w) kernel. M must be a multiple of block_m (grouped_matmul pads). `out`: a
+  buffer of the output's shape and dtype to write into in place (tests poison it with NaN).
+  """
+  m, c = a.shape
+  g = b.shape[0]
+  n_out = b.shape[1] if b_contract_minor else b.shape[2]
+  c2 = b.shape[2] if b_contract_minor else b.shape[1]
+  if c != c2:
+    raise ValueError(f"contraction mismatch: a {a.shape}, b {b.shape}")
+  if not b_contract_minor and jnp.dtype(b.dtype) in _FP8:
+    raise ValueError("FP8 operands need the contraction dim contiguous (b_contract_minor=True)")
+  cfg = config or default_config("rows", jnp.dtype(a.dtype) in _FP8, n_out)
+  _check_config(cfg, a.dtype, b.dtype, out_dtype, m, n_out, c, "rows")
+  scales, scaled = _scales_or_ones(scales, g)
+  kern = _grouped_kernel(
+      form="rows", a_shape=a.shape, b_shape=b.shape, a_rc=True, b_rc=b_contract_minor,
+      a_dtype=a.dtype, b_dtype=b.dtype, out_shape=(m, n_out), out_dtype=jnp.dtype(out_dtype),
+      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, inplace=out is not None,
+  )
+  tg = tile_groups(group_sizes, m // cfg.block_m, cfg.block_m)
+  return _run(kern, (tg, a, b, scales), out)
+
+
+def ragged_contract_matmul(
+    a: jax.Array,
+    b: jax.Array,
+    group_sizes: jax.Array,
+    scales: jax.Array | None = None,
+    *,
+    a_contract_minor: bool = True,
+    b_contract_minor: bool = True,
+    out_dtype=jnp.bfloat16,
+    config: TileConfig | None = None,
+    sms: int | None = None,
+    out: jax.Array | None = None,
+) -> jax.Array:
+  """out[g] = scales[g] * A_g @ B_g^T over the tokens of group g (an empty group gets exactly 0).
+
+  a (Mout, T) if a_contract_minor else (T, Mout); b (Nout, T) if b_contract_minor else (T, Nout);
+  tokens past sum(group_sizes) are never read. The wgrad kernel: dw[g] = x_g^T @ dy_g with
+  a = x^T, b = dy^T (FP8) or a = x, b = dy (bf16, a_/b_contract_minor=False). Returns (G, Mout, Nout); `out` as in
+  ragged_rows_matmul.
+  """
+  if not (a_contract_minor and b_contract_minor) and (jnp.dtype(a.dtype) in _FP8 or jnp.dtype(b.dtype) in _FP8):
+    raise ValueError("FP8 operands need the contraction dim contiguous (a_/b_contract_minor=True)")
+  m_out, t = a.shape if a_contract_minor else a.shape[::-1]
+  n_out, t2 = b.shape if b_contract_minor else b.shape[::-1]
+  if t != t2:
+    raise ValueError(f"token-dim mismatch: a {a.shape}, b {b.shape}")
+  g = group_sizes.shape[0]
+  cfg = config or default_config("contract", jnp.dtype(a.dtype) in _FP8, n_out, m_out)
+  _check_config(cfg, a.dtype, b.dtype, out_dtype, m_out, n_out, t, "contract")
+  scales, scaled = _scales_or_ones(scales, g)
+  kern = _grouped_kernel(
+      form="contract", a_shape=a.shape, b_shape=b.shape, a_rc=a_contract_minor, b_rc=b_contract_minor,
+      a_dtype=a.dtype, b_dtype=b.dtype, out_shape=(g, m_out, n_out), out_dtype=jnp.dtype(out_dtype),
+      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, inplace=out is not None,
+  )
+  order, start, nblk = contraction_schedule(group_sizes, cfg.resolved_block_k(a.dtype))
+  return _run(kern, (order, start, nblk, a, b, scales), out)
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_matmul: FP8 (current scaling per expert) or bf16, with a custom VJP
+
+_FMAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
+
+
+def group_scales(amax: jax.Array, dtype) -> jax.Array:
+  """Quantisation scales fmax / amax (1 where amax is 0, -inf (empty group) or not finite)."""
+  amax = amax.astype(jnp.float32)
+  ok = jnp.isfinite(amax) & (amax > 0)
+  return jnp.where(ok, _FMAX[jnp.dtype(dtype)] / jnp.where(ok, amax, 1.0), 1.0)
+
+
+def quantize_rows(x: jax.Array, group_sizes: jax.Array, dtype):
+  """Per-expert current scaling of an expert-sorted (rows, d) buffer: (x_q, scales (G,)).
+
+  x_q[r] = x[r] * scales[g(r)] in `dtype` (saturating); rows past the groups use the last scale
+  (they are never read by the kernels).
+  """
+  g = group_sizes.shape[0]
+  rg = row_groups(group_sizes, x.shape[0])
+  row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+  s = group_scales(jax.ops.segment_max(row_amax, rg, num_segments=g), dtype)
+  return _saturate(x.astype(jnp.float32) * s[jnp.minimum(rg, g - 1)][:, None], dtype), s
+
+
+def quantize_experts(w: jax.Array, dtype):
+  """Per-expert current scaling of (G, ...) weights: (w_q, scales (G,))."""
+  s = group_scales(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=tuple(range(1, w.ndim))), dtype)
+  return _saturate(w.astype(jnp.float32) * s.reshape((-1,) + (1,) * (w.ndim - 1)), dtype), s
+
+
+def _saturate(v, dtype):
+  fmax = _FMAX[jnp.dtype(dtype)]
+  return jnp.clip(v, -fmax, fmax).astype(dtype)
+
+
+def _pad_rows(x, rows):
+  return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    fp8: bool,
+    out_dtype=jnp.bfloat16,
+    configs: GemmConfigs | None = None,
+    sms: int | None = None,
+) -> jax.Array:
+  """y (M, N): rows of group g of x (M, K) times w[g] (w: (G, K, N), MaxText's layout).
+
+  group_sizes (G,) int32 stays on the device; groups must be padded to multiples of ROW_ALIGNMENT
+  with sum(group_sizes) <= M; rows past the sum come back exactly 0 (and get exactly 0 dx). fp8:
+  E4M3 x and w forward, E5M2 dy backward, per-expert current scaling, fp32 epilogue; dw of an
+  empty expert is exactly 0. fp8=False: the same kernels in bf16. Differentiable in x and w.
+  configs: explicit TileConfigs per GEMM (default: default_config); sms: persistent grid size
+  (default: the device's SM count).
+  """
+  m, k = x.shape
+  g, k2, n = w.shape
+  if k != k2 or group_sizes.shape != (g,):
+    raise ValueError(f"shapes: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
+  check_shapes(k, n)
+  return _gmm(x, w, group_sizes.astype(jnp.int32), bool(fp8), jnp.dtype(out_dtype), configs or GemmConfigs(), sms)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _gmm(x, w, group_sizes, fp8, out_dtype, configs, sms):
+  return _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms)[0]
+
+
+def _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms):
+  m = x.shape[0]
+  mp = -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
+  xp = _pad_rows(x, mp)
+  if fp8:
+    xq, sx = quantize_rows(xp, group_sizes, E4M3)
+    wq, sw = quantize_experts(w, E4M3)  # (G, K, N): dgrad reads it as stored
+    y = ragged_rows_matmul(
+        xq, jnp.swapaxes(wq, 1, 2), group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms
+    )
+    res = (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+  else:
+    xb, wb = xp.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    y = ragged_rows_matmul(xb, wb, group_sizes, b_contract_minor=False, out_dtype=out_dtype, config=configs.fwd, sms=sms)
+    res = (xb, None, wb, None, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+  return y[:m], res
+
+
+def _gmm_bwd(fp8, out_dtype, configs, sms, res, dy):
+  del out_dtype
+  xq, sx, wq, sw, group_sizes, x_proto, w_proto = res
+  m = dy.shape[0]
+  mp = xq.shape[0]
+  dyp = _pad_rows(dy, mp)
+  if fp8:
+    dyq, sdy = quantize_rows(dyp, group_sizes, E5M2)
+    dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
+    dw = ragged_contract_matmul(
+        xq.T, dyq.T, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
+    )
+  else:
+    dyb = dyp.astype(jnp.bfloat16)
+    dx = ragged_rows_matmul(dyb, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
+    dw = ragged_contract_matmul(
+        xq, dyb, group_sizes, a_contract_minor=False, b_contract_minor=False, out_dtype=w_proto.dtype,
+        config=configs.wgrad, sms=sms,
+    )
+  return dx[:m], dw, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)

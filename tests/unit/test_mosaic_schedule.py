@@ -1,0 +1,288 @@
+"""temoe's Mosaic GPU grouped GEMMs on CPU: the tile/group scheduling against numpy models, the
+config checks, the FP8 scaling helpers, and the kernels themselves in Pallas' GPU interpret mode
+(JAX 0.11.2 runs Mosaic GPU kernels on CPU, simulating SMEM, TMA, barriers and wgmma; allocations,
+the output buffer included, start as NaN, so an element a kernel leaves unwritten reads NaN).
+
+Interpret-mode shapes are tiny (a few 128-row tiles, 2-3 "SMs") so each SM walks several tiles and
+the TMA ring wraps; performance is measured on the GPU only (tests/gpu/test_mosaic_kernels.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from temoe.moe.experts import mosaic_gemm as mz
+
+INTERPRET = plgpu.InterpretGPUParams()
+# jitted once each: op-by-op dispatch would compile every primitive separately (slow on CPU)
+tile_groups = jax.jit(mz.tile_groups, static_argnums=(1, 2))
+row_groups = jax.jit(mz.row_groups, static_argnums=1)
+contraction_schedule = jax.jit(mz.contraction_schedule, static_argnums=1)
+tile_coords = jax.jit(mz.tile_coords, static_argnums=(1, 2, 3))
+quantize_rows = jax.jit(mz.quantize_rows, static_argnums=2)
+quantize_experts = jax.jit(mz.quantize_experts, static_argnums=1)
+CFG = mz.TileConfig(block_m=128, block_n=128, stages=2, compute_wgs=2, grid_block_n=2)
+
+
+def random_sizes(rng, groups: int, rows: int, empty: int = 0) -> np.ndarray:
+  """Group sizes, multiples of 128, `empty` of them zero, summing to at most `rows`."""
+  tiles = rows // 128
+  cuts = np.sort(rng.integers(0, tiles + 1, groups - 1))
+  sizes = np.diff(np.concatenate([[0], cuts, [rng.integers(cuts[-1] if groups > 1 else 0, tiles + 1)]])) * 128
+  sizes[rng.choice(groups, empty, replace=False)] = 0
+  return sizes.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------- schedules
+
+
+def np_tile_groups(sizes, num_tiles, block_m):
+  out = np.full(num_tiles, -1, np.int32)
+  start = 0
+  for g, n in enumerate(sizes):
+    for r in range(start, start + n, block_m):
+      out[r // block_m] = g
+    start += n
+  return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_tile_groups_matches_numpy(seed, block_m):
+  rng = np.random.default_rng(seed)
+  sizes = random_sizes(rng, groups=int(rng.integers(1, 9)), rows=2048, empty=int(rng.integers(0, 2)))
+  got = np.asarray(tile_groups(jnp.asarray(sizes), 2048 // block_m, block_m))
+  np.testing.assert_array_equal(got, np_tile_groups(sizes, 2048 // block_m, block_m))
+
+
+def test_tile_groups_edge_loads():
+  # one expert takes all rows; all experts empty; groups exactly fill the buffer
+  np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([0, 512, 0]), 4, 128)), [1, 1, 1, 1])
+  np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([0, 0]), 3, 128)), [-1, -1, -1])
+  np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([128, 0, 256]), 5, 128)), [0, 2, 2, -1, -1])
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_row_groups_matches_numpy(seed):
+  rng = np.random.default_rng(seed)
+  sizes = random_sizes(rng, groups=5, rows=1024, empty=1)
+  expect = np.concatenate([np.full(n, g) for g, n in enumerate(sizes)] + [np.full(1024 - sizes.sum(), 5)])
+  np.testing.assert_array_equal(np.asarray(row_groups(jnp.asarray(sizes), 1024)), expect)
+
+
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_contraction_schedule_matches_numpy(seed, block_k):
+  rng = np.random.default_rng(seed)
+  sizes = random_sizes(rng, groups=7, rows=4096, empty=2)
+  order, start, nblk = (np.asarray(a) for a in contraction_schedule(jnp.asarray(sizes), block_k))
+  np.testing.assert_array_equal(order, sorted(range(7), key=lambda g: (-sizes[g], g)))  # largest first, stable
+  starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+  for g in range(7):
+    assert start[g] * block_k == starts[g] and nblk[g] * block_k == sizes[g]
+  # the blocks of all experts tile the used tokens exactly once
+  blocks = np.concatenate([np.arange(start[g], start[g] + nblk[g]) for g in range(7)])
+  np.testing.assert_array_equal(np.sort(blocks), np.arange(sizes.sum() // block_k))
+
+
+@pytest.mark.parametrize("grid_m,grid_n,band", [(5, 7, 2), (4, 4, 4), (3, 8, 3), (6, 1, 4), (1, 5, 8), (9, 6, 1)])
+def test_tile_coords_is_a_banded_bijection(grid_m, grid_n, band):
+  lin = np.arange(grid_m * grid_n)
+  mi, ni = tile_coords(jnp.asarray(lin, jnp.int32), grid_m, grid_n, band)
+  mi, ni = np.asarray(mi), np.asarray(ni)
+  # numpy model: bands of `band` columns left to right, row-major inside a band
+  expect = [(m, n) for b0 in range(0, grid_n, band) for m in range(grid_m) for n in range(b0, min(b0 + band, grid_n))]
+  assert list(zip(mi.tolist(), ni.tolist())) == expect
+  # the same function on Python ints (as the numpy model of one tile) agrees
+  assert [mz.tile_coords(int(t), grid_m, grid_n, band) for t in lin] == expect
+
+
+@pytest.mark.parametrize("num_tiles,sms", [(10, 3), (3, 8), (132 * 4 + 5, 132), (1, 1)])
+def test_persistent_grid_covers_each_tile_once(num_tiles, sms):
+  # the kernel's per-SM loop: SM s handles tiles s, s + sms, ... (n_local of them)
+  seen = []
+  for s in range(sms):
+    n_local = (num_tiles - s + (sms - 1)) // sms
+    seen += [s + i * sms for i in range(n_local)]
+  assert sorted(seen) == list(range(num_tiles))
+
+
+# ---------------------------------------------------------------------------------- config checks
+
+
+def test_check_shapes_one_line_errors():
+  mz.check_shapes(7168, 4096)
+  mz.check_shapes(128, 128)
+  for k, n in [(7000, 4096), (7168, 100), (0, 128), (96, 130)]:
+    with pytest.raises(ValueError) as e:
+      mz.check_shapes(k, n)
+    msg = str(e.value)
+    assert "\n" not in msg and "multiples of 128" in msg and "pad to" in msg, msg
+  with pytest.raises(ValueError, match=r"K=7000.*pad to K=7040, N=4096"):
+    mz.check_shapes(7000, 4096)
+
+
+def test_default_config_divides_the_shapes():
+  for form in ("rows", "contract"):
+    for fp8 in (True, False):
+      for n in (128, 384, 768, 1536, 2048, 4096, 7168):
+        cfg = mz.default_config(form, fp8, n, 768 if form == "contract" else None)
+        assert n % cfg.block_n == 0 and cfg.block_n % cfg.resolved_epi_n() == 0
+        assert (cfg.block_m // cfg.compute_wgs) % 64 == 0
+        assert cfg.smem_bytes(mz.E4M3 if fp8 else jnp.bfloat16, mz.E4M3 if fp8 else jnp.bfloat16, jnp.bfloat16) <= 227 * 1024
+
+
+def test_bad_configs_are_rejected_before_lowering():
+  a = jax.ShapeDtypeStruct((512, 256), mz.E4M3)
+  b = jax.ShapeDtypeStruct((2, 256, 256), mz.E4M3)
+  gs = jax.ShapeDtypeStruct((2,), jnp.int32)
+  bad = {
+      "SMEM": mz.TileConfig(block_n=256, stages=6),
+      "multiple of 64": mz.TileConfig(block_m=64, compute_wgs=2),
+      "ROW_ALIGNMENT": mz.TileConfig(block_m=256),
+      "block_k": mz.TileConfig(block_k=96),
+  }
+  for what, cfg in bad.items():
+    with pytest.raises(ValueError, match=what):
+      jax.eval_shape(lambda a, b, g, cfg=cfg: mz.ragged_rows_matmul(a, b, g, config=cfg, sms=2), a, b, gs)
+  with pytest.raises(ValueError, match="contraction dim contiguous"):
+    jax.eval_shape(lambda a, b, g: mz.ragged_rows_matmul(a, b, g, b_contract_minor=False, sms=2), a, b, gs)
+
+
+def test_kernels_lower_for_cuda_without_a_gpu():
+  # Mosaic GPU lowers ahead of time for sm_90 on CPU (layout inference, SMEM budget): every operand
+  # layout and kernel variant is checked here; the bf16 layouts' numerics run on the GPU
+  # (tests/gpu/test_mosaic_kernels.py), interpret mode below covers the FP8 ones.
+  S = jax.ShapeDtypeStruct
+  gs = S((4,), jnp.int32)
+  cases = [
+      (lambda a, b, g, c: mz.ragged_rows_matmul(a, b, g, config=c, sms=132), S((1024, 7168), mz.E5M2),
+       S((4, 2048, 7168), mz.E4M3), [mz.default_config("rows", True, 2048), dataclasses.replace(CFG, promote=4, stages=5)]),
+      (lambda a, b, g, c: mz.ragged_rows_matmul(a, b, g, b_contract_minor=False, config=c, sms=132),
+       S((1024, 2048), jnp.bfloat16), S((4, 2048, 768), jnp.bfloat16), [mz.default_config("rows", False, 768)]),
+      (lambda a, b, g, c: mz.ragged_contract_matmul(a, b, g, a_contract_minor=False, b_contract_minor=False, config=c,
+                                                    sms=132),
+       S((1024, 2048), jnp.bfloat16), S((1024, 1536), jnp.bfloat16), [mz.default_config("contract", False, 1536, 2048)]),
+      (lambda a, b, g, c: mz.ragged_contract_matmul(a, b, g, config=c, sms=132), S((2048, 1024), mz.E4M3),
+       S((768, 1024), mz.E5M2), [mz.default_config("contract", True, 768, 2048),
+                                 mz.TileConfig(block_m=256, block_n=128, stages=4, epi_n=64)]),
+  ]
+  for fn, a, b, cfgs in cases:
+    for cfg in cfgs:
+      low = jax.jit(lambda a, b, g, cfg=cfg, fn=fn: fn(a, b, g, cfg))
+      text = low.trace(a, b, gs).lower(lowering_platforms=("cuda",)).as_text()
+      assert text.count("mosaic_gpu") >= 1, cfg
+
+
+# ---------------------------------------------------------------------------------- FP8 scaling
+
+
+def test_quantize_rows_scales_each_expert_to_its_own_amax():
+  sizes = jnp.array([128, 0, 256], jnp.int32)
+  x = jnp.concatenate([jnp.full((128, 4), 2.0), jnp.full((256, 4), -0.5), jnp.full((128, 4), 9.0)])  # last 128 spare
+  xq, s = quantize_rows(x, sizes, mz.E4M3)
+  np.testing.assert_allclose(np.asarray(s), [448 / 2.0, 1.0, 448 / 0.5])  # empty expert: scale 1
+  assert float(xq[0, 0].astype(jnp.float32)) == 448 and float(xq[200, 0].astype(jnp.float32)) == -448
+  wq, sw = quantize_experts(jnp.stack([jnp.full((2, 2), 3.0), jnp.zeros((2, 2))]), mz.E5M2)
+  np.testing.assert_allclose(np.asarray(sw), [57344 / 3.0, 1.0])
+  assert np.isfinite(np.asarray(wq.astype(jnp.float32))).all()
+
+
+# ---------------------------------------------------------------------------------- kernels (interpret)
+
+
+def np_rows(a, b, sizes, scales, b_contract_minor=True):
+  a = np.asarray(a.astype(jnp.float32), np.float64)
+  b = np.asarray(b.astype(jnp.float32), np.float64)
+  if b_contract_minor:
+    b = b.transpose(0, 2, 1)
+  out, start = np.zeros((a.shape[0], b.shape[2])), 0
+  for g, n in enumerate(sizes):
+    out[start:start + n] = a[start:start + n] @ b[g] * scales[g]
+    start += n
+  return out
+
+
+def rel(a, ref) -> float:
+  a = np.asarray(a.astype(jnp.float32), np.float64)
+  return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+SIZES = np.array([128, 0, 128, 128], np.int32)  # 384 of 512 rows: expert 1 empty, one spare tile
+ROWS, USED = 512, 384
+SCALES = np.array([0.5, 3.0, 2.0, 1.25], np.float32)
+
+
+def test_kernel_writes_every_element_of_a_poisoned_buffer_without_races():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
+
+  # the forward form x (M, K) @ (w^T (G, N, K))^T, E4M3, two compute warpgroups, one SM walking all
+  # tiles through a 2-stage ring
+  a = jax.random.normal(jax.random.key(3), (ROWS, 128)).astype(mz.E4M3)
+  b = jax.random.normal(jax.random.key(4), (4, 128, 128)).astype(mz.E4M3)
+  poison = jnp.full((ROWS, 128), jnp.nan, jnp.bfloat16)
+  with plgpu.force_gpu_interpret_mode(dataclasses.replace(INTERPRET, detect_races=True)):
+    y = jax.jit(lambda a, b: mz.ragged_rows_matmul(a, b, jnp.asarray(SIZES), jnp.asarray(SCALES), config=CFG, sms=1,
+                                                   out=poison))(a, b)
+    y = np.asarray(y.astype(jnp.float32))
+  assert not interpret_pallas_call.get_races().races_found
+  assert np.isfinite(y).all() and not y[USED:].any()
+  assert rel(y, np_rows(a, b, SIZES, SCALES)) < 4e-3
+
+
+def per_group_reference(xs, ws, dys, sizes):
+  """float64 y, dx, dw of the grouped matmul on the given (dequantised) operand values."""
+  m, k = xs.shape
+  n = ws.shape[2]
+  y, dx, dw = np.zeros((m, n)), np.zeros((m, k)), np.zeros((len(sizes), k, n))
+  start = 0
+  for g, s in enumerate(sizes):
+    rows = slice(start, start + s)
+    y[rows], dx[rows], dw[g] = xs[rows] @ ws[g], dys[rows] @ ws[g].T, xs[rows].T @ dys[rows]
+    start += s
+  return y, dx, dw
+
+
+@jax.jit
+def fp8_operands(x, w, sizes, dy):
+  """grouped_matmul's FP8 recipe on the operands: the dequantised E4M3 x, w and E5M2 dy values."""
+  g = w.shape[0]
+  rg = jnp.minimum(mz.row_groups(sizes, x.shape[0]), g - 1)
+  xq, sx = mz.quantize_rows(x, sizes, mz.E4M3)
+  wq, sw = mz.quantize_experts(w, mz.E4M3)
+  dyq, sdy = mz.quantize_rows(dy.astype(jnp.bfloat16), sizes, mz.E5M2)
+  f32 = lambda q: q.astype(jnp.float32)
+  return f32(xq) / sx[rg][:, None], f32(wq) / sw[:, None, None], f32(dyq) / sdy[rg][:, None]
+
+
+def test_grouped_matmul_fp8_forward_and_grads():
+  m, k, n = 450, 128, 128  # 450 rows: padded to 512 inside, 384 routed
+  sizes = jnp.asarray(SIZES)
+  kx, kw, kc = jax.random.split(jax.random.key(5), 3)
+  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
+  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (m, n)).at[USED:].set(0)
+  # two compute warpgroups forward (flushing its accumulator into fp32 every k-block) and wgrad,
+  # one for dgrad (E5M2 x E4M3)
+  cfgs = mz.GemmConfigs(dataclasses.replace(CFG, promote=1), dataclasses.replace(CFG, compute_wgs=1), CFG)
+
+  def loss(x, w):
+    y = mz.grouped_matmul(x, w, sizes, fp8=True, configs=cfgs, sms=2)
+    return jnp.sum(y.astype(jnp.float32) * cot), y
+
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+  y, dx, dw = (np.asarray(a.astype(jnp.float32)) for a in (y, dx, dw))
+  assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (4, k, n)
+  assert all(np.isfinite(a).all() for a in (y, dx, dw))
+  assert not y[USED:].any() and not dx[USED:].any() and not dw[1].any()
+  # the kernels must reproduce the FP8 recipe exactly, up to fp32 accumulation and bf16 output rounding
+  ry, rdx, rdw = per_group_reference(*[np.asarray(a, np.float64) for a in fp8_operands(x, w, sizes, cot)], SIZES)
+  for name, got, ref in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
+    assert rel(jnp.asarray(got), ref) < 4e-3, (name, rel(jnp.asarray(got), ref))
