@@ -1,17 +1,21 @@
-"""Benchmark: one DeepSeek-V3 MoE layer's dispatch -> expert MLP -> combine, fwd+bwd, on one GPU.
+"""Benchmark: one MoE layer's dispatch -> expert MLP -> combine, fwd+bwd, on one GPU, over shapes.
 
-Shapes: hidden 7168, expert ffn 2048, 32 local experts, 8192 tokens x top-8 (65,536 routed rows),
-skewed load. Paths: temoe `te` FP8 current scaling, temoe `te` bf16 (where TE's bf16 grouped
-GEMM runs), temoe `xla` (ragged_dot); and the dense FP8 (TE) and bf16 (XLA) matmul ceilings of the
-same GEMM shapes, measured in the same call. Useful FLOPs only: padding rows are not counted.
+Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
+  dsv3            7168 / 2048 / 32 / 8192 x 8   DeepSeek-V3's 32 big experts
+  dsv3_ep8        7168 / 2048 /  8 / 8192 x 2   the local slice of one EP-8 rank
+  qwen3_30b_a3b   2048 /  768 / 128 / 8192 x 8  fine-grained MoE
+Paths per shape, each measured in this process: temoe FP8 on its Hopper kernels (`mosaic`), temoe
+FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
+tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
+it), and the dense FP8 (TE) and bf16 (XLA) ceilings of the same GEMMs. Per-GEMM forward TFLOP/s
+of each grouped path too. Useful FLOPs only: alignment padding rows are not counted.
 
-    python bench/moe_layer.py [--out bench/results] [--iters 10]
+    python bench/moe_layer.py [--out bench/results] [--iters 10] [--shapes dsv3,qwen3_30b_a3b]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -21,36 +25,49 @@ import time
 import jax
 import jax.numpy as jnp
 
-from temoe.moe import dispatch
-from temoe.moe.experts import xla as experts
+from temoe import recipes
+from temoe.moe import block, dispatch
+from temoe.moe.context import MoEContext
+from temoe.moe.experts import parts
 
-HIDDEN, FFN, EXPERTS, TOKENS, TOP_K = 7168, 2048, 32, 8192, 8
+SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
+    "dsv3": (7168, 2048, 32, 8192, 8),
+    "dsv3_ep8": (7168, 2048, 8, 8192, 2),
+    "qwen3_30b_a3b": (2048, 768, 128, 8192, 8),
+}
+PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
+    "temoe_fp8": ("mosaic", "te_fp8_current"),
+    "te_fp8": ("te", "te_fp8_current"),
+    "temoe_bf16": ("mosaic", "te_no_quant"),
+    "tokamax_bf16": ("tokamax", "te_no_quant"),
+}
 
 
-@dataclasses.dataclass
-class ExpertsLayer:
-  """What the expert stage reads of MaxText's RoutedMoE: dtype, recipe, SwiGLU."""
+def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
+  """Stock MaxText's expert GEMMs (`use_tokamax_gmm=true`: tokamax.ragged_dot, implementation
+  "mosaic", bf16) behind the expert-kernel contract, so dispatch and combine are the same."""
+  del biases, rows_expert
+  import tokamax  # pylint: disable=import-outside-toplevel
 
-  dtype: jnp.dtype
-  config: object
+  def gmm(a, w):
+    return tokamax.ragged_dot(a, w, p.padded_group_sizes, precision=jax.lax.Precision.DEFAULT,
+                              preferred_element_type=ctx.dtype, implementation="mosaic")
 
-  @staticmethod
-  def apply_ffn_activation(w0, w1):
-    return (jax.nn.silu(w0) * w1).astype(w0.dtype)
+  w0, w1 = parts.tag_up(*parts.split_gate_up(gmm(x, wi)))
+  return parts.tag_down(gmm(ctx.activation(w0, w1), wo))
 
 
-def skewed_routing(key, skew: float = 1.2):
-  """Top-8 distinct experts per token from a Zipf-like popularity (max/mean load ~2.5)."""
-  logits = -skew * jnp.log1p(jnp.arange(EXPERTS, dtype=jnp.float32))
-  gumbel = jax.random.gumbel(key, (TOKENS, EXPERTS))
-  _, ids = jax.lax.top_k(logits + gumbel, TOP_K)
-  weights = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 1), (TOKENS, TOP_K)), axis=-1)
+def skewed_routing(key, experts: int, tokens: int, top_k: int, skew: float = 1.2):
+  """Top-k distinct experts per token from a Zipf-like popularity."""
+  logits = -skew * jnp.log1p(jnp.arange(experts, dtype=jnp.float32))
+  gumbel = jax.random.gumbel(key, (tokens, experts))
+  _, ids = jax.lax.top_k(logits + gumbel, top_k)
+  weights = jax.nn.softmax(jax.random.normal(jax.random.fold_in(key, 1), (tokens, top_k)), axis=-1)
   return ids.astype(jnp.int32), weights
 
 
 def timed(fn, *args, iters: int) -> float:
-  out = fn(*args)
-  jax.block_until_ready(out)
+  jax.block_until_ready(fn(*args))
   times = []
   for _ in range(iters):
     start = time.perf_counter()
@@ -59,26 +76,51 @@ def timed(fn, *args, iters: int) -> float:
   return statistics.median(times)
 
 
-def moe_fwdbwd(backend: str, recipe: str, ids, weights, align_override: int | None = None):
-  layer = ExpertsLayer(jnp.bfloat16, type("Cfg", (), {"te_gmm_quantization": recipe})())
-  align = 1
-  if backend == "te":
-    from temoe.moe.experts import te as te_experts  # pylint: disable=import-outside-toplevel
+def context(kernel: str, recipe: str, experts: int, top_k: int) -> MoEContext:
+  align = 1 if kernel == "tokamax" else recipes.row_alignment(recipe, kernel)
+  return MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=recipe, kernel=kernel, align=align)
 
-    align = align_override or te_experts.ROW_ALIGNMENT[recipe]
+
+def mlp_of(ctx: MoEContext):
+  return tokamax_mlp if ctx.kernel == "tokamax" else block.expert_kernel(ctx.kernel).mlp
+
+
+def layer_fwdbwd(ctx: MoEContext, ids, weights):
+  mlp = mlp_of(ctx)
 
   def loss(x, wi, wo, cot):
-    p = dispatch.plan(ids, EXPERTS, align)
-    buf = dispatch.dispatch(x, p, TOP_K)
-    if backend == "te":
-      y = te_experts.mlp(layer, buf, p, wi, wo, (None, None, None), None)
-    else:
-      y = experts.mlp_xla(layer, buf, p.padded_group_sizes, wi, wo, (None, None, None), None)
+    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
+    y = mlp(ctx, dispatch.dispatch(x, p, ctx.top_k), p, wi, wo, (None, None, None), None)
     out = dispatch.combine(y, p, weights)
-    return jnp.sum(out.astype(jnp.float32) ** 2 * cot)
+    return jnp.sum(out.astype(jnp.float32) ** 2 * cot)  # quadratic: every forward GEMM stays live
 
-  # value_and_grad: the loss value needs every forward GEMM, so none is dead code.
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def gemm_fwd(ctx: MoEContext, ids):
+  """One grouped GEMM of the path alone, forward, on the dispatched layout of `ids`."""
+  if ctx.kernel == "tokamax":
+    import tokamax  # pylint: disable=import-outside-toplevel
+
+    def gmm(a, w, sizes):
+      return tokamax.ragged_dot(a, w, sizes, preferred_element_type=ctx.dtype, implementation="mosaic")
+  elif ctx.kernel == "te":
+    from temoe.moe.experts import te  # pylint: disable=import-outside-toplevel
+
+    def gmm(a, w, sizes):
+      return te.grouped_matmul(a, w, dispatch.covering_group_sizes(sizes, a.shape[0]), ctx.recipe, ctx.dtype)
+  else:
+    from temoe.moe.experts import mosaic_gemm  # pylint: disable=import-outside-toplevel
+
+    def gmm(a, w, sizes):
+      return mosaic_gemm.grouped_matmul(a, w, sizes, fp8=recipes.REGISTRY[ctx.recipe].fp8)
+
+  def run(a, w):
+    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
+    rows = jnp.zeros((p.buffer_rows, a.shape[1]), a.dtype).at[p.slots].set(a[: p.routed_rows])
+    return gmm(rows, w, p.padded_group_sizes)
+
+  return jax.jit(run)
 
 
 def dense_fwdbwd(fp8: bool):
@@ -98,73 +140,107 @@ def dense_fwdbwd(fp8: bool):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--out", default="bench/results")
-  parser.add_argument("--iters", type=int, default=10)
-  args = parser.parse_args()
+def error_text(exc: Exception) -> str:
+  lines = [l for l in str(exc).splitlines() if l.strip()]
+  return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
+
+
+def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATHS)) -> dict:
+  hidden, ffn, experts, tokens, top_k = SHAPES[name]
   key = jax.random.key(0)
-  ids, weights = skewed_routing(key)
-  loads = jnp.bincount(ids.reshape(-1), length=EXPERTS)
-  rows = TOKENS * TOP_K
+  ids, weights = skewed_routing(key, experts, tokens, top_k)
+  loads = jnp.bincount(ids.reshape(-1), length=experts)
+  rows = tokens * top_k
   kx, kw, ko, kc = jax.random.split(jax.random.fold_in(key, 7), 4)
-  x = jax.random.normal(kx, (TOKENS, HIDDEN), jnp.bfloat16)
-  wi = (jax.random.normal(kw, (EXPERTS, HIDDEN, 2 * FFN), jnp.float32) * HIDDEN**-0.5).astype(jnp.bfloat16)
-  wo = (jax.random.normal(ko, (EXPERTS, FFN, HIDDEN), jnp.float32) * FFN**-0.5).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (TOKENS, HIDDEN), jnp.float32)
-  useful = 3 * (2 * rows * HIDDEN * 2 * FFN + 2 * rows * FFN * HIDDEN)  # fwd + 2x bwd, 3 GEMMs
-  result = {
-      "command": " ".join(["python", "bench/moe_layer.py", *sys.argv[1:]]),
-      "device": jax.devices()[0].device_kind,
-      "shapes": {"hidden": HIDDEN, "expert_ffn": FFN, "experts": EXPERTS, "tokens": TOKENS, "top_k": TOP_K},
-      "load_max_over_mean": float(loads.max() / loads.mean()),
-      "empty_experts": int((loads == 0).sum()),
-      "useful_tflop_per_iter": useful / 1e12,
+  x = jax.random.normal(kx, (tokens, hidden), jnp.bfloat16)
+  wi = (jax.random.normal(kw, (experts, hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(ko, (experts, ffn, hidden), jnp.float32) * ffn**-0.5).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (tokens, hidden), jnp.float32)
+  gate_up, down = 2 * rows * hidden * 2 * ffn, 2 * rows * ffn * hidden
+  useful = 3 * (gate_up + down)  # fwd + 2x bwd
+  out = {
+      "hidden": hidden, "expert_ffn": ffn, "experts": experts, "tokens": tokens, "top_k": top_k,
+      "load_max_over_mean": float(loads.max() / loads.mean()), "empty_experts": int((loads == 0).sum()),
+      "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
-  paths = {
-      "temoe_fp8": ("te", "te_fp8_current", None),
-      "temoe_fp8_align128": ("te", "te_fp8_current", 128),  # TE moe()'s alignment, for comparison
-      "temoe_bf16": ("te", "te_no_quant", None),
-      "temoe_xla": ("xla", "te_no_quant", None),
-  }
-  for name, (backend, recipe, align) in paths.items():
+  for path in paths:
+    kernel, recipe = PATHS[path]
+    ctx = context(kernel, recipe, experts, top_k)
     try:
-      seconds = timed(moe_fwdbwd(backend, recipe, ids, weights, align), x, wi, wo, cot, iters=args.iters)
-      result[f"{name}_fwdbwd_tflops"] = useful / seconds / 1e12
-      result[f"{name}_fwdbwd_ms"] = seconds * 1e3
+      seconds = timed(layer_fwdbwd(ctx, ids, weights), x, wi, wo, cot, iters=iters)
+      out[f"{path}_fwdbwd_tflops"] = useful / seconds / 1e12
+      out[f"{path}_fwdbwd_ms"] = seconds * 1e3
+      if per_gemm:
+        h = jax.random.normal(kx, (rows, ffn), jnp.bfloat16)
+        xr = jnp.repeat(x, top_k, axis=0)
+        out["per_gemm_fwd_tflops"][path] = {
+            "gate_up": gate_up / timed(gemm_fwd(ctx, ids), xr, wi, iters=iters) / 1e12,
+            "down": down / timed(gemm_fwd(ctx, ids), h, wo, iters=iters) / 1e12,
+        }
     except Exception as exc:  # pylint: disable=broad-exception-caught
-      result[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    print(name, {k: v for k, v in result.items() if k.startswith(name)}, flush=True)
-  # Dense ceilings: the same rows x (hidden -> 2*ffn) GEMM, fwd + bwd.
-  xd = jax.random.normal(kx, (rows, HIDDEN), jnp.bfloat16)
-  wd = (jax.random.normal(kw, (HIDDEN, 2 * FFN), jnp.float32) * HIDDEN**-0.5).astype(jnp.bfloat16)
-  cd = jax.random.normal(kc, (rows, 2 * FFN), jnp.float32)
-  dense_flops = 3 * 2 * rows * HIDDEN * 2 * FFN
-  for name, fp8 in (("fp8_dense_ceiling", True), ("bf16_dense_ceiling", False)):
+      out[f"{path}_error"] = error_text(exc)
+    print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
+          flush=True)
+  xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
+  wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
+  cd = jax.random.normal(kc, (rows, 2 * ffn), jnp.float32)
+  for ceiling, fp8 in (("fp8_dense_ceiling", True), ("bf16_dense_ceiling", False)):
     try:
-      result[f"{name}_tflops"] = dense_flops / timed(dense_fwdbwd(fp8), xd, wd, cd, iters=args.iters) / 1e12
+      out[f"{ceiling}_tflops"] = 3 * gate_up / timed(dense_fwdbwd(fp8), xd, wd, cd, iters=iters) / 1e12
     except Exception as exc:  # pylint: disable=broad-exception-caught
-      result[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-  if "temoe_fp8_fwdbwd_tflops" in result and "fp8_dense_ceiling_tflops" in result:
-    result["temoe_fp8_over_fp8_ceiling"] = result["temoe_fp8_fwdbwd_tflops"] / result["fp8_dense_ceiling_tflops"]
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, "moe_layer.json"), "w", encoding="utf-8") as f:
-    json.dump(result, f, indent=1)
+      out[f"{ceiling}_error"] = error_text(exc)
+  for path in PATHS:
+    if f"{path}_fwdbwd_tflops" in out:
+      if "fp8_dense_ceiling_tflops" in out:
+        out[f"{path}_over_fp8_ceiling"] = out[f"{path}_fwdbwd_tflops"] / out["fp8_dense_ceiling_tflops"]
+      if "tokamax_bf16_fwdbwd_tflops" in out:
+        out[f"{path}_over_tokamax"] = out[f"{path}_fwdbwd_tflops"] / out["tokamax_bf16_fwdbwd_tflops"]
+  return out
+
+
+def plot(result: dict, path: str) -> None:
   try:
     import matplotlib  # pylint: disable=import-outside-toplevel
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-
-    keys = [k for k in result if k.endswith("_tflops")]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.barh([k.removesuffix("_tflops") for k in keys], [result[k] for k in keys], color="#76b900")
-    ax.set_xlabel("TFLOP/s (useful, fwd+bwd)")
-    ax.set_title("DeepSeek-V3 MoE layer, 32 experts, 65,536 routed rows")
-    fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "moe_layer.png"), dpi=120)
   except ImportError:
-    pass
+    return
+  names = list(result["shapes"])
+  series = [*PATHS, "fp8_dense_ceiling", "bf16_dense_ceiling"]
+  fig, ax = plt.subplots(figsize=(9, 4))
+  width = 0.8 / len(series)
+  for i, s in enumerate(series):
+    key = f"{s}_tflops" if "ceiling" in s else f"{s}_fwdbwd_tflops"
+    ax.bar([j + i * width for j in range(len(names))], [result["shapes"][n].get(key, 0) for n in names], width,
+           label=s)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
+  ax.set_ylabel("useful TFLOP/s, fwd+bwd")
+  ax.set_title(f"MoE layer (dispatch + expert MLP + combine), {result['device']}")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default="bench/results")
+  parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--shapes", default=",".join(SHAPES))
+  parser.add_argument("--paths", default=",".join(PATHS))
+  parser.add_argument("--no-per-gemm", action="store_true", help="the layer only (bench/mosaic_gemm.py sweeps GEMMs)")
+  args = parser.parse_args()
+  result = {
+      "command": " ".join(["python", "bench/moe_layer.py", *sys.argv[1:]]),
+      "device": jax.devices()[0].device_kind,
+      "shapes": {},
+  }
+  os.makedirs(args.out, exist_ok=True)
+  for name in args.shapes.split(","):
+    result["shapes"][name] = measure_shape(name, args.iters, not args.no_per_gemm, args.paths.split(","))
+    with open(os.path.join(args.out, "moe_layer.json"), "w", encoding="utf-8") as f:  # after every shape
+      json.dump(result, f, indent=1)
+  plot(result, os.path.join(args.out, "moe_layer.png"))
   print(json.dumps(result, indent=1))
 
 

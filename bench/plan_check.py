@@ -26,7 +26,6 @@ def main() -> int:
   sys.path.insert(0, str(HERE))
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
   from temoe.tools import plan  # pylint: disable=import-outside-toplevel
 
   measured = json.loads(pathlib.Path(args.results).read_text())["paths"]
@@ -36,7 +35,8 @@ def main() -> int:
     if not peak:
       print(f"{path}: no measured peak_hbm_gib in {args.results}")
       return 2
-    p = plan.make_plan(os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), [*proxy_1gpu.PROXY, *proxy_1gpu.PATHS[path]])
+    args = proxy_1gpu.args_of(path)
+    p = plan.make_plan(args[0], args[1:])
     print(plan.table(p))
     estimate = p.estimate.peak / 2**30
     ratio = estimate / peak

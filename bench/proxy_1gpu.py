@@ -1,10 +1,17 @@
-"""Benchmark: MaxText training of the 1-GPU DeepSeek-V3 proxy, one MoE path per fresh process.
+"""Benchmark: MaxText training of the 1-GPU DeepSeek-V3 proxy, one path per fresh process.
 
-Paths: temoe_fp8, temoe_bf16 (where TE's bf16 grouped GEMM runs), native_ragged, tokamax_gmm,
-capacity_1.25. Each reports median tokens/s and MaxText's TFLOP/s/device over the steps after
-warm-up, and peak HBM. Writes JSON (with the exact command) and a PNG under bench/results/.
+`temoe_fp8` is the shipped config, `configs/deepseek3-proxy-1gpu.yml`, as a user runs it (FP8 dense
+GEMMs; its expert GEMMs in bf16 on temoe's sync-free Mosaic GPU kernels, measured fastest). `stock_best` is the fastest stock MaxText we
+know on the same GPU: the same model and settings (cuDNN attention, MaxText's TE FP8 for the dense
+GEMMs, the same remat) with MaxText's own tokamax grouped GEMM instead of temoe's block. The other
+paths take one setting away or swap one part, so each setting's gain is measured in the same call:
+`temoe_fp8_te` / `temoe_fp8_mosaic` (FP8 expert GEMMs on TE's grouped GEMM / on temoe's kernels), `temoe_fp8_env` (+ `temoe env`'s container profile),
+`temoe_fp8_remat_full`, `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, and the stock paths as committed
+before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full). Each
+reports median tokens/s and MaxText's TFLOP/s/device over the steps after warm-up, and peak HBM;
+ratios are against `stock_best`. Writes JSON (with the exact command) and a PNG.
 
-    python bench/proxy_1gpu.py [--paths temoe_fp8,tokamax_gmm] [--steps 10] [--out bench/results]
+    python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--steps 10] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -18,50 +25,53 @@ import subprocess
 import sys
 import tempfile
 
-PROXY = [
-    "model_name=deepseek3-671b",
-    "override_model_config=true",
-    "base_num_decoder_layers=3",
-    "first_num_dense_layers=1",
-    "num_experts=32",
-    "max_target_length=2048",
-    "per_device_batch_size=2",
-    "weight_dtype=bfloat16",
-    "dtype=bfloat16",
-    "remat_policy=full",
-    "dataset_type=synthetic",
-    "hardware=gpu",
-    "enable_checkpointing=false",
-    "enable_tensorboard=false",
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SHIPPED = str(ROOT / "configs" / "deepseek3-proxy-1gpu.yml")
+COMMON = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false"]
+
+PROXY = [  # the stock paths as committed before: MaxText's 671B shapes cut to the proxy
+    "model_name=deepseek3-671b", "override_model_config=true", "base_num_decoder_layers=3",
+    "first_num_dense_layers=1", "num_experts=32", "max_target_length=2048", "per_device_batch_size=2",
+    "weight_dtype=bfloat16", "dtype=bfloat16", "remat_policy=full", "hardware=gpu",
     "skip_jax_distributed_system=true",
 ]
+STOCK_MOE = ["te_moe_block=false", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"]
 
-PATHS = {
-    "temoe_fp8": ["te_moe_block=true", "te_gmm_quantization=te_fp8_current", "te_moe_backend=te",
-                  "sparse_matmul=true", "prefuse_moe_weights=true"],
-    "temoe_bf16": ["te_moe_block=true", "te_gmm_quantization=te_no_quant", "te_moe_backend=te",
-                   "sparse_matmul=true", "prefuse_moe_weights=true"],
-    "native_ragged": ["sparse_matmul=true", "megablox=false"],
-    "tokamax_gmm": ["sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"],
-    "capacity_1.25": ["sparse_matmul=false", "capacity_factor=1.25"],
+PATHS = {  # name -> (config, overrides, with the container env profile)
+    "temoe_fp8": (SHIPPED, [], False),
+    "stock_best": (SHIPPED, STOCK_MOE, False),
+    "temoe_fp8_te": (SHIPPED, ["te_gmm_quantization=te_fp8_current", "te_moe_backend=te"], False),
+    "temoe_fp8_mosaic": (SHIPPED, ["te_gmm_quantization=te_fp8_current", "te_moe_backend=mosaic"], False),
+    "temoe_fp8_env": (SHIPPED, [], True),
+    "stock_best_env": (SHIPPED, STOCK_MOE, True),
+    "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
+    "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),
+    "temoe_fp8_autoattn": (SHIPPED, ["attention=autoselected"], False),
+    "temoe_bf16": (SHIPPED, ["te_gmm_quantization=te_no_quant", "quantization=''"], False),
+    "tokamax_gmm": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], False),
+    "native_ragged": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false"], False),
+    "capacity_1.25": ("base.yml", [*PROXY, "sparse_matmul=false", "capacity_factor=1.25"], False),
 }
+
+
+def args_of(path: str) -> list[str]:
+  """MaxText's arguments for `path`: its config file, then key=value overrides."""
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+  config, overrides, _ = PATHS[path]
+  return [config if os.path.isabs(config) else os.path.join(introspect.configs_dir(), config), *COMMON, *overrides]
 
 
 def worker(path: str, steps: int, workdir: str) -> None:
   """Trains one path in this process and prints one JSON line with its peak HBM."""
   import temoe  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   temoe.register()
-  from absl import app  # pylint: disable=import-outside-toplevel
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
-  from maxtext.trainers.pre_train import train  # pylint: disable=import-outside-toplevel
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
-  del pyconfig
-  argv = ["bench", os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), *PROXY, *PATHS[path], f"steps={steps}",
+  argv = ["bench", *args_of(path), f"steps={steps}",
           f"base_output_directory={workdir}", f"run_name={path}", f"metrics_file={workdir}/{path}.jsonl"]
   try:
-    app.run(train.main, argv=argv)
+    introspect.train(argv)
   except SystemExit as exc:
     if exc.code:
       raise
@@ -73,8 +83,13 @@ def worker(path: str, steps: int, workdir: str) -> None:
 
 def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
   cmd = [sys.executable, __file__, "--worker", path, "--steps", str(steps), "--workdir", workdir]
+  env = dict(os.environ)
+  if PATHS[path][2]:
+    from temoe.deploy import env as profile  # pylint: disable=import-outside-toplevel
+
+    env.update(profile.environment("hopper", env))
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout}s"}
   peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
@@ -96,17 +111,15 @@ def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
 
 
 def ratios(paths: dict) -> dict:
-  def tok(name):
-    return paths.get(name, {}).get("tokens_per_s")
-
+  """Every path's tokens/s and peak HBM over `stock_best`'s (and over `tokamax_gmm`'s, as before)."""
   out = {}
-  if tok("temoe_fp8") and tok("tokamax_gmm"):
-    out["temoe_fp8_over_tokamax_tokens"] = tok("temoe_fp8") / tok("tokamax_gmm")
-  if tok("temoe_bf16") and tok("tokamax_gmm"):
-    out["temoe_bf16_over_tokamax_tokens"] = tok("temoe_bf16") / tok("tokamax_gmm")
-  hbm = {k: v.get("peak_hbm_gib") for k, v in paths.items()}
-  if hbm.get("temoe_fp8") and hbm.get("tokamax_gmm"):
-    out["temoe_fp8_over_tokamax_peak_hbm"] = hbm["temoe_fp8"] / hbm["tokamax_gmm"]
+  for base in ("stock_best", "tokamax_gmm"):
+    ref = paths.get(base, {})
+    for name, row in paths.items():
+      if name != base and row.get("tokens_per_s") and ref.get("tokens_per_s"):
+        out[f"{name}_over_{base}_tokens"] = row["tokens_per_s"] / ref["tokens_per_s"]
+      if name != base and row.get("peak_hbm_gib") and ref.get("peak_hbm_gib"):
+        out[f"{name}_over_{base}_peak_hbm"] = row["peak_hbm_gib"] / ref["peak_hbm_gib"]
   return out
 
 
@@ -120,14 +133,15 @@ def plot(result: dict, png: str) -> None:
   fig, ax = plt.subplots(figsize=(7, 3.5))
   ax.bar(names, [result["paths"][k]["tokens_per_s"] for k in names], color="#76b900")
   ax.set_ylabel("tokens/s/device")
-  ax.set_title("DeepSeek-V3 proxy (3 layers, 32 experts), 1x H200")
+  ax.set_title("DeepSeek-V3 proxy (3 layers, 32 experts), 1 GPU")
+  ax.tick_params(axis="x", labelsize=7, rotation=30)
   fig.tight_layout()
   fig.savefig(png, dpi=120)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--paths", default=",".join(PATHS))
+  parser.add_argument("--paths", default="temoe_fp8,stock_best,temoe_fp8_te,temoe_fp8_mosaic")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--timeout", type=int, default=240)
   parser.add_argument("--out", default="bench/results")
@@ -138,7 +152,8 @@ def main() -> None:
     worker(args.worker, args.steps, args.workdir)
     return
   workdir = tempfile.mkdtemp(prefix="proxy-")
-  result = {"command": " ".join(["python", "bench/proxy_1gpu.py", *sys.argv[1:]]), "proxy_flags": PROXY, "paths": {}}
+  result = {"command": " ".join(["python", "bench/proxy_1gpu.py", *sys.argv[1:]]), "shipped_config": "configs/deepseek3-proxy-1gpu.yml",
+            "stock_moe_flags": STOCK_MOE, "proxy_flags": PROXY, "paths": {}}
   for path in args.paths.split(","):
     result["paths"][path] = measure(path, args.steps, workdir, args.timeout)
     print(path, json.dumps(result["paths"][path]), flush=True)

@@ -77,17 +77,21 @@ def test_one_node_proxy_fills_8_gpus():
 
 
 def test_1gpu_proxy_is_the_benchmarks_proxy():
+  """The benchmark trains the shipped config itself; its stock paths (MaxText's 671B shapes cut down
+  by flags) describe the same model."""
   sys.path.insert(0, str(ROOT / "bench"))
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
+  assert proxy_1gpu.PATHS["temoe_fp8"] == (str(CONFIGS / "deepseek3-proxy-1gpu.yml"), [], False)
+  assert proxy_1gpu.PATHS["stock_best"][0] == proxy_1gpu.PATHS["temoe_fp8"][0]
   ours = check(CONFIGS / "deepseek3-proxy-1gpu.yml", gpu="h100")
   assert ours["mesh_devices"] == ours["num_target_devices"] == 1
-  flags = [*proxy_1gpu.PROXY, *proxy_1gpu.PATHS["temoe_fp8"]]
+  flags = proxy_1gpu.PROXY
   bench = check(MAXTEXT_CONFIGS / "base.yml", *flags, gpu="h100")
   shape = ["emb_dim", "num_query_heads", "mlp_dim", "moe_mlp_dim", "num_decoder_layers", "first_num_dense_layers",
            "num_experts", "num_experts_per_tok", "shared_experts", "q_lora_rank", "kv_lora_rank", "vocab_size"]
   keys = [f.split("=")[0] for f in flags if f.split("=")[0] not in ("model_name", "override_model_config",
-                                                                     "te_moe_backend", "base_num_decoder_layers")]
+                                                                     "base_num_decoder_layers", "remat_policy")]
   differ = {k: (ours["keys"].get(k), bench["keys"].get(k)) for k in shape + keys if ours["keys"].get(k) != bench["keys"].get(k)}
   assert not differ
   assert ours["total_params"] == bench["total_params"]

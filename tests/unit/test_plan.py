@@ -54,18 +54,16 @@ def proxy_args(path: str) -> list[str]:
   sys.path.insert(0, str(ROOT / "bench"))
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
-  return [os.path.join(MAXTEXT_CONFIGS_DIR, "base.yml"), *proxy_1gpu.PROXY, *proxy_1gpu.PATHS[path]]
+  return proxy_1gpu.args_of(path)
 
 
-@pytest.mark.parametrize("path", ["temoe_fp8", "tokamax_gmm"])
+@pytest.mark.parametrize("path", ["temoe_fp8", "stock_best", "temoe_fp8_te", "temoe_fp8_mosaic"])
 def test_gpu_proxy_estimate_within_tolerance_of_the_h200_peak(path):
   """Planned here (no GPU: an H200 stand-in) against the committed H200 measurement of the same flags."""
   measured = json.loads((ROOT / "bench" / "results" / "proxy_1gpu.json").read_text())["paths"][path]["peak_hbm_gib"]
   args = proxy_args(path)
   p = plan.make_plan(args[0], args[1:], hbm_gib=141)
-  assert p.backend == ("te" if path == "temoe_fp8" else "gmm")
+  assert p.backend == {"temoe_fp8": "mosaic", "temoe_fp8_te": "te", "temoe_fp8_mosaic": "mosaic"}.get(path, "gmm")
   assert abs(p.estimate.peak / 2**30 / measured - 1) <= TOLERANCE, (p.estimate.peak / 2**30, measured)
 
 
