@@ -29,7 +29,6 @@ class Case:
   overrides: tuple[str, ...] = ()
   shared: bool = False  # RoutedAndSharedMoE (routed + MaxText's shared-expert MLP) instead of RoutedMoE
   skewed: bool = False  # gate and inputs set so one expert takes nearly all tokens and two take none
-  expert_scale: bool = False  # non-unit per_expert_scale (the Gemma4 parameter)
   megatron_seam: bool = False  # the train step's view of the Megatron seq aux loss, as the seam installs it
 
 
@@ -75,9 +74,6 @@ CASES = {
     "qwen3_5": Case((*_SOFTMAX_TOPK, "decoder_block=qwen3_5", "norm_topk_prob=true")),
     "gpt_oss_skewed": Case(GPT_OSS, skewed=True),
     "envy": Case(ENVY),
-    # Gemma4's decoder is refused with te_moe_block (it routes on separate gate inputs), but its
-    # per_expert_scale is checked here, at the block: applied once, as native does.
-    "gemma4_expert_scale": Case((*_SOFTMAX_TOPK, "decoder_block=gemma4", "norm_topk_prob=true"), expert_scale=True),
 }
 ROUTERS = ("deepseek3", "mixtral")  # the cases the multi-device tests run
 
@@ -219,11 +215,6 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   if native_cfg.routed_bias:  # a trained bias, so routing depends on it
     bias = jax.random.normal(key, routed(ours).gate.bias.shape) * 0.05
     routed(native).gate.bias.value, routed(ours).gate.bias.value = bias, bias
-  if case.expert_scale:  # a trained per-expert scale, far from its initial ones
-    scale = jax.random.uniform(jax.random.fold_in(key, 1), routed(ours).per_expert_scale.shape, minval=0.5, maxval=2.0)
-    routed(native).per_expert_scale.value, routed(ours).per_expert_scale.value = scale, scale
-  report["expert_scale"] = None if routed(ours).per_expert_scale is None else float(
-      jnp.std(routed(ours).per_expert_scale.value))
 
   rng = np.random.default_rng(seed)
   batch = max(4, int(mesh.size))

@@ -75,10 +75,9 @@ def train(maxtext_args: list[str]) -> int:
   import traceback  # pylint: disable=import-outside-toplevel
 
   import temoe  # pylint: disable=import-outside-toplevel
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (MaxText's asset root, first)
   from temoe.run import distributed, inputs, preflight  # pylint: disable=import-outside-toplevel
 
-  seams.use_packaged_assets()  # before the checks below import MaxText's config module
   try:
     inputs.check_config_file(maxtext_args[0])
     inputs.check_settings(maxtext_args[1:], TRAIN_USAGE)

@@ -20,7 +20,7 @@ def test_doctor_on_this_cpu_machine_says_no_gpu_cleanly():
   assert run.returncode == 1, run.stdout + run.stderr
   assert "  GPU       no GPU (cpu devices)" in run.stdout
   assert "problem: no GPU: this process sees cpu devices only; run on a GPU host" in run.stdout
-  assert "  MaxText   0.2.5, with the seams temoe hooks" in run.stdout and "ready: no" in run.stdout
+  assert "  MaxText   0.2.5, with every seam and touchpoint temoe uses" in run.stdout and "ready: no" in run.stdout
   assert "Traceback" not in run.stderr
 
 

@@ -31,5 +31,3 @@ def test_block_matches_maxtext_native_moe(case):
   if spec.skewed:  # one expert takes nearly every token, two take none
     tokens = r["routed_rows"] // r["top_k"]
     assert counts[0] >= 0.9 * tokens and counts[-1] == counts[-2] == 0, r
-  if spec.expert_scale:
-    assert r["expert_scale"] > 0.1, r  # scales far from one, so a double application would show

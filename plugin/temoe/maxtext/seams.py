@@ -17,14 +17,13 @@ Four seams, each the one function that decides the behaviour temoe changes:
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
-import os
 import sys
 from importlib import metadata
 from typing import Any
 
 from temoe import __version__, recipes
+from temoe.maxtext import assets
 from temoe.maxtext import config as temoe_config
 
 MAXTEXT_VERSION = "0.2.5"
@@ -158,21 +157,6 @@ def _temoe_block(self, inputs, gate_kernel, wi_kernel, wo_kernel, w0_bias, w1_bi
   return adapter.te_moe_block(self, inputs, wi_kernel, wo_kernel, w0_bias, w1_bias, wo_bias, out_sharding)
 
 
-def use_packaged_assets() -> None:
-  """Points MaxText at the assets its pip wheel ships (tokenizers), not at a source checkout's path.
-
-  MaxText 0.2.5 derives MAXTEXT_ASSETS_ROOT from a repo layout a pip install lacks; its
-  environment variable of that name is the documented override, read once at import.
-  """
-  if "MAXTEXT_ASSETS_ROOT" in os.environ or "maxtext.utils.globals" in sys.modules:
-    return
-  spec = importlib.util.find_spec("maxtext")
-  for root in spec.submodule_search_locations if spec and spec.submodule_search_locations else []:
-    if os.path.isdir(os.path.join(root, "assets", "tokenizers")):
-      os.environ["MAXTEXT_ASSETS_ROOT"] = os.path.join(root, "assets")
-      return
-
-
 _installed: dict[str, Any] = {}
 
 
@@ -180,7 +164,7 @@ def install() -> None:
   """Installs the seams once; a second call changes nothing."""
   if _installed:
     return
-  use_packaged_assets()
+  assets.use_packaged_assets()
   check_maxtext()
   pyconfig, _, moe, max_utils = _maxtext_modules()
   from maxtext.utils import max_logging  # pylint: disable=import-outside-toplevel
