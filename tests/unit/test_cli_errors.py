@@ -214,3 +214,8 @@ def render_table(rows=ROWS) -> str:
 
 if __name__ == "__main__":
   print(render_table(), end="")
+
+
+def test_readme_bad_input_table_is_this_tables_rendering():
+  readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+  assert render_table() in readme, "README's bad-input table drifted from ROWS: paste render_table()'s output"

@@ -86,3 +86,11 @@ def test_peaks_and_the_flop_weighted_peak_of_a_mixed_step():
   fp8 = types.SimpleNamespace(te_moe_block=True, te_gmm_quantization="te_fp8_current")
   bf16 = types.SimpleNamespace(te_moe_block=True, te_gmm_quantization="te_no_quant")
   assert flops.fp8_flops(fp8, n) == n.routed_experts and flops.fp8_flops(bf16, n) == 0.0
+
+
+def test_bad_config_files_are_one_line(tmp_path, capsys):
+  bad = tmp_path / "bad.yml"
+  bad.write_text("a: [1\n")
+  assert flops.main([str(bad)]) == 2 and "is not valid YAML at line 2" in capsys.readouterr().err
+  assert flops.main([str(tmp_path / "nothere.yml")]) == 2 and "does not exist" in capsys.readouterr().err
+  assert flops.main([]) == 2 and "usage: python -m temoe.tools.flops" in capsys.readouterr().err

@@ -156,10 +156,20 @@ def main(argv: list[str] | None = None) -> int:
   import json  # pylint: disable=import-outside-toplevel
 
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
   gpu = argv.pop(argv.index("--gpu") + 1).upper() if "--gpu" in argv else None
   argv = [a for a in argv if a != "--gpu"]
+  usage = "python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu NAME]"
+  try:
+    if not argv:
+      raise inputs.InputError(f"usage: {usage}")
+    inputs.check_config_file(argv[0])
+    inputs.check_settings(argv[1:], usage)
+  except inputs.InputError as exc:
+    print(f"temoe flops: {exc}", file=sys.stderr)
+    return 2
   print(json.dumps(summary(introspect.initialize_config(["flops", *argv]), gpu=gpu), indent=1))
   return 0
 
