@@ -109,11 +109,13 @@ def gemm_fwd(ctx: MoEContext, ids):
 
     def gmm(a, w, sizes):
       return te.grouped_matmul(a, w, dispatch.covering_group_sizes(sizes, a.shape[0]), ctx.recipe, ctx.dtype)
-  else:
+  elif ctx.kernel == "mosaic":
     from temoe.moe.experts import mosaic_gemm  # pylint: disable=import-outside-toplevel
 
     def gmm(a, w, sizes):
       return mosaic_gemm.grouped_matmul(a, w, sizes, fp8=recipes.REGISTRY[ctx.recipe].fp8)
+  else:
+    raise ValueError(f"per-GEMM timing covers tokamax, te and mosaic, not {ctx.kernel}")
 
   def run(a, w):
     p = dispatch.plan(ids, ctx.num_experts, ctx.align)

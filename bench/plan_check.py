@@ -35,8 +35,8 @@ def main() -> int:
     if not peak:
       print(f"{path}: no measured peak_hbm_gib in {args.results}")
       return 2
-    args = proxy_1gpu.args_of(path)
-    p = plan.make_plan(args[0], args[1:])
+    maxtext_args = proxy_1gpu.args_of(path)
+    p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
     print(plan.table(p))
     estimate = p.estimate.peak / 2**30
     ratio = estimate / peak

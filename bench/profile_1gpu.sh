@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# Step-time breakdown of the 1-GPU DeepSeek-V3 proxy (bench/proxy_1gpu.py's PROXY flags) per MoE path
-# (its PATHS; default temoe_fp8 and tokamax_gmm): `temoe profile` then `temoe report` for each, on a
+# Step-time breakdown of the 1-GPU DeepSeek-V3 proxy per path of bench/proxy_1gpu.py (its PATHS: the
+# shipped config and its variants; default temoe_fp8 and stock_best): `temoe profile` then `temoe report` for each, on a
 # GPU host with TE + MaxText 0.2.5 (on the project's H200: `source tools-device/env.sh` first).
-#   bash bench/profile_1gpu.sh [path ...]     e.g. bash bench/profile_1gpu.sh temoe_fp8 tokamax_gmm
+#   bash bench/profile_1gpu.sh [path ...]     e.g. bash bench/profile_1gpu.sh temoe_fp8 stock_best
 # Writes $OUT (or bench/results)/profile_1gpu/<path>/{profile.json,metrics.jsonl,report/*.png,report.html}
 # and profile_1gpu.json (the breakdowns side by side) with its commands.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/plugin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}/profile_1gpu; mkdir -p "$out"
-paths=("$@"); [ ${#paths[@]} -gt 0 ] || paths=(temoe_fp8 tokamax_gmm)
-base=$(python3 -c 'import temoe; temoe.register(); from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR as d; print(d + "/base.yml")' | tail -n 1) || exit 1
+paths=("$@"); [ ${#paths[@]} -gt 0 ] || paths=(temoe_fp8 stock_best)
 rc=0
 for p in "${paths[@]}"; do
-  flags=$(python3 -c 'import sys; sys.path.insert(0, "bench"); import proxy_1gpu as b; print(" ".join(b.PROXY + b.PATHS[sys.argv[1]]))' "$p") || { rc=1; continue; }
-  echo "== $p: temoe profile <base.yml> $flags"
-  # shellcheck disable=SC2086  # the flags are MaxText key=value words
-  python3 -m temoe.cli profile "$base" $flags --out "$out/$p" --skip 3 --steps 3 2>&1 | tee "$out/$p.log" | grep -v "^I[0-9]" || rc=1
+  # the path's config file, then its key=value overrides (bench/proxy_1gpu.py's args_of)
+  args=$(python3 -c 'import sys; sys.path.insert(0, "bench"); import proxy_1gpu as b; print(" ".join(b.args_of(sys.argv[1])))' "$p" | tail -n 1) || { rc=1; continue; }
+  echo "== $p: temoe profile $args"
+  # shellcheck disable=SC2086  # a config path and MaxText key=value words, none with spaces
+  python3 -m temoe.cli profile $args --out "$out/$p" --skip 3 --steps 3 2>&1 | tee "$out/$p.log" | grep -v "^I[0-9]" || rc=1
   python3 -m temoe.cli report "$out/$p" || rc=1
 done
 python3 - "$out" "${paths[@]}" <<'EOF'

@@ -27,6 +27,25 @@ MODELS = ("deepseek3-smoke", "deepseek3-proxy")
 
 HOPPER, BLACKWELL = (9, 0), (10, 0)
 
+MOSAIC_TILE = 128
+"""temoe's Mosaic GPU kernels tile K and N by 128 (temoe.moe.experts.mosaic_gemm.check_shapes)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What a kernel's fitness depends on besides the GPU: the expert GEMMs' dims and the model dtype."""
+
+  emb: int
+  ffn: int  # one expert's hidden width (moe_mlp_dim)
+  dtype: str  # the model's compute dtype, e.g. "bfloat16"
+
+
+def model_shape(config) -> ModelShape:
+  """The ModelShape of a MaxText config (attribute reads only)."""
+  dtype = config.dtype
+  dtype = getattr(dtype, "value", None) or getattr(dtype, "name", None) or str(dtype)  # enum, numpy dtype or str
+  return ModelShape(int(config.emb_dim), int(config.moe_mlp_dim), str(dtype))
+
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
@@ -114,8 +133,9 @@ def _arch(cc: tuple[int, int]) -> str:
   return "Blackwell (sm_100+)" if cc >= BLACKWELL else "Ada/Hopper (sm_89+)"
 
 
-def why_not(recipe: str, kernel: str, platform) -> str | None:
-  """None if `kernel` computes `recipe` on `platform` (a temoe.hardware.Platform), else why not."""
+def why_not(recipe: str, kernel: str, platform, shape: ModelShape | None = None) -> str | None:
+  """None if `kernel` computes `recipe` on `platform` (a temoe.hardware.Platform) for a model of
+  `shape` (None: any shape), else why not."""
   r = REGISTRY[recipe]
   if kernel not in r.align:
     return f"te_moe_backend={kernel} does not implement {recipe} (it has: {', '.join(r.align)})."
@@ -131,6 +151,11 @@ def why_not(recipe: str, kernel: str, platform) -> str | None:
       return "temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); this GPU takes the te backend."
     if importlib.util.find_spec("jax.experimental.mosaic.gpu") is None:
       return "this JAX has no Mosaic GPU (jax.experimental.mosaic.gpu)."
+    if shape is not None and (shape.emb % MOSAIC_TILE or shape.ffn % MOSAIC_TILE):
+      return (f"temoe's Mosaic GPU kernels need emb_dim and moe_mlp_dim multiples of {MOSAIC_TILE} "
+              f"(this model: {shape.emb}, {shape.ffn}).")
+    if shape is not None and shape.dtype != "bfloat16":
+      return f"temoe's Mosaic GPU kernels compute in bfloat16 (FP8 inside), this model's dtype is {shape.dtype}."
     return None
   if not platform.te_usable:
     return "the te backend needs a GPU with Transformer Engine."
@@ -144,10 +169,10 @@ def why_not(recipe: str, kernel: str, platform) -> str | None:
   return None
 
 
-def runnable(platform, kernel: str | None = None) -> tuple[str, ...]:
+def runnable(platform, kernel: str | None = None, shape: ModelShape | None = None) -> tuple[str, ...]:
   """The recipes that run on `platform`: with `kernel`, or with any kernel but the reference."""
   kernels = (kernel,) if kernel else tuple(k for k in KERNELS if k != "xla")
-  return tuple(r for r in RECIPES if any(why_not(r, k, platform) is None for k in kernels))
+  return tuple(r for r in RECIPES if any(why_not(r, k, platform, shape) is None for k in kernels))
 
 
 def check_flag_conflicts(backend: str, recipe: str) -> None:
@@ -159,9 +184,10 @@ def check_flag_conflicts(backend: str, recipe: str) -> None:
     )
 
 
-def resolve_backend(backend: str, recipe: str, platform) -> str:
-  """The expert kernel that computes `recipe` on `platform` for `te_moe_backend=backend`, or a
-  TemoeConfigError saying what to change. `auto`: the first of the recipe's kernels that runs here."""
+def resolve_backend(backend: str, recipe: str, platform, shape: ModelShape | None = None) -> str:
+  """The expert kernel that computes `recipe` on `platform` for `te_moe_backend=backend` (and a model
+  of `shape`), or a TemoeConfigError saying what to change. `auto`: the recipe's first kernel that
+  runs here."""
   check_backend(backend)
   check_recipe(recipe)
   check_flag_conflicts(backend, recipe)
@@ -169,7 +195,7 @@ def resolve_backend(backend: str, recipe: str, platform) -> str:
   r = REGISTRY[recipe]
   if backend == "auto":
     for kernel in r.align:
-      if kernel != "xla" and why_not(recipe, kernel, platform) is None:
+      if kernel != "xla" and why_not(recipe, kernel, platform, shape) is None:
         return kernel
     if "xla" in r.align and (platform.device_platform != "gpu" or not r.fp8):
       return "xla"
@@ -178,8 +204,8 @@ def resolve_backend(backend: str, recipe: str, platform) -> str:
           f"te_gmm_quantization={recipe} needs a GPU with Transformer Engine; this process has {where}. "
           "Valid choice here: te_gmm_quantization=te_no_quant (reference xla backend)."
       )
-    reasons = "; ".join(f"{k}: {why_not(recipe, k, platform)}" for k in r.align)
-    ok = runnable(platform)
+    reasons = "; ".join(f"{k}: {why_not(recipe, k, platform, shape)}" for k in r.align)
+    ok = runnable(platform, shape=shape)
     raise TemoeConfigError(
         f"te_gmm_quantization={recipe} cannot run on {where} ({reasons}) "
         f"Valid choices here: {', '.join(ok) or 'te_gmm_quantization=te_no_quant with te_moe_backend=xla'}."
@@ -189,9 +215,9 @@ def resolve_backend(backend: str, recipe: str, platform) -> str:
         f"te_moe_backend=te needs a GPU with Transformer Engine for JAX; this process has {where}. "
         "Valid choices here: te_moe_backend=auto or xla (with te_gmm_quantization=te_no_quant)."
     )
-  reason = why_not(recipe, backend, platform)
+  reason = why_not(recipe, backend, platform, shape)
   if reason is not None:
-    ok = runnable(platform, backend)
+    ok = runnable(platform, backend, shape)
     raise TemoeConfigError(
         f"te_gmm_quantization={recipe} cannot run on {where}: {reason} "
         f"Valid choices here: {', '.join(ok) or f'none with te_moe_backend={backend}; use te_moe_backend=auto'}."

@@ -86,6 +86,9 @@ def test_peaks_and_the_flop_weighted_peak_of_a_mixed_step():
   fp8 = types.SimpleNamespace(te_moe_block=True, te_gmm_quantization="te_fp8_current")
   bf16 = types.SimpleNamespace(te_moe_block=True, te_gmm_quantization="te_no_quant")
   assert flops.fp8_flops(fp8, n) == n.routed_experts and flops.fp8_flops(bf16, n) == 0.0
+  dense = n.attention_proj + n.dense_mlp + n.shared_experts  # MaxText's TE FP8 for the dense layers
+  both = types.SimpleNamespace(te_moe_block=True, te_gmm_quantization="te_no_quant", quantization="te_fp8_currentscaling")
+  assert flops.fp8_flops(both, n) == dense > 0
 
 
 def test_bad_config_files_are_one_line(tmp_path, capsys):

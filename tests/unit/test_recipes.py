@@ -65,3 +65,14 @@ def test_refusals_name_the_fix(platform, backend, recipe, words):
 def test_quantized_copies_cost_memory_only_for_fp8():
   assert recipes.REGISTRY["te_no_quant"].quantized_copy_bytes(10, 10, 4, 4) == 0
   assert recipes.REGISTRY["te_fp8_current"].quantized_copy_bytes(10, 10, 4, 4) == 2 * 10 + 2 * 10 * 8
+
+
+def test_mosaic_only_where_its_tiles_and_dtype_fit():
+  small = recipes.ModelShape(64, 32, "bfloat16")  # the smoke model: not multiples of 128
+  wide = recipes.ModelShape(7168, 2048, "bfloat16")
+  assert recipes.resolve_backend("auto", "te_no_quant", H200_OLD_CUBLAS, wide) == "mosaic"
+  assert recipes.resolve_backend("auto", "te_no_quant", H200_OLD_CUBLAS, small) == "xla"
+  assert recipes.resolve_backend("auto", "te_no_quant", H200, small) == "te"
+  assert recipes.resolve_backend("auto", "te_no_quant", H200_OLD_CUBLAS, recipes.ModelShape(7168, 2048, "float32")) == "xla"
+  with pytest.raises(recipes.TemoeConfigError, match="multiples of 128 .this model: 64, 32."):
+    recipes.resolve_backend("mosaic", "te_no_quant", H200, small)

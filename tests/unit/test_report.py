@@ -52,7 +52,7 @@ def test_summary_numbers_are_the_runs_logs(reported):
   assert summary["final_load_max_over_mean"] == rows[-1]["temoe/load_max_over_mean"]
   profiled = json.loads((run / "profile.json").read_text())
   assert summary["breakdown_ms_per_step"] == profiled["ms_per_step"]
-  model = 486_752_256 / 1e12  # tests/test_flops.py's hand count
+  model = 486_752_256 / 1e12  # tests/unit/test_flops.py's hand count
   mfu = statistics.median(model / r["perf/step_time_seconds"] / 989.4 for r in steady)  # H200 bf16 peak
   assert summary["median_mfu"] == pytest.approx(mfu, rel=1e-9)
 

@@ -88,20 +88,27 @@ def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[
     report.lines.append(("TE", f"not usable: {plat.te_error}"))
     report.problems.append(f"Transformer Engine's JAX extension does not load ({plat.te_error}); use an NGC JAX "
                            "MaxText image (ghcr.io/nvidia/jax:maxtext-*) or install transformer_engine[jax] "
-                           "built for this CUDA; until then only te_moe_backend=xla runs.")
+                           "built for this CUDA; until then only te_no_quant runs (temoe's Hopper kernels or xla).")
   if gpu:
     need = _version(recipes.grouped_gemm_min_cublas(plat.compute_capability))
     have = _version(plat.cublas_version) if plat.cublas_version else "not found"
     report.lines.append(("cuBLAS", f"{have}; TE's bf16 grouped GEMM needs >= {need} on this GPU"))
-  if plat.te_usable:
-    runnable = recipes.runnable(plat, "te")  # this report is about the TE backend
-    report.lines.append(("recipes", ", ".join(runnable) or "none with the te backend"))
+  if gpu:
+    picks = {}  # recipe -> the GPU kernel `te_moe_backend=auto` runs it on here
     for recipe in recipes.RECIPES:
-      if recipe not in runnable:
-        report.warnings.append(f"te_gmm_quantization={recipe}: {plat.why_not(recipe)}")
-    if not runnable:
-      report.problems.append("no te_gmm_quantization recipe runs here with the te backend (FP8 needs sm_89+); "
-                             "use a Hopper or Blackwell GPU, or te_moe_backend=xla.")
+      kernel = next((k for k in recipes.REGISTRY[recipe].align if k != "xla" and not recipes.why_not(recipe, k, plat)), None)
+      if kernel:
+        picks[recipe] = kernel
+      else:
+        first = next(k for k in recipes.REGISTRY[recipe].align if k != "xla")
+        report.warnings.append(f"te_gmm_quantization={recipe}: {recipes.why_not(recipe, first, plat)}")
+    report.lines.append(("recipes", ", ".join(f"{r} ({k})" for r, k in picks.items()) or "none on a GPU kernel"))
+    te_bf16 = recipes.why_not("te_no_quant", "te", plat) if plat.te_usable else None
+    if te_bf16 and picks.get("te_no_quant"):  # it runs on another kernel; te_moe_backend=te would not
+      report.warnings.append(f"te_gmm_quantization=te_no_quant with te_moe_backend=te: {te_bf16}")
+    if not picks:
+      report.problems.append("no te_gmm_quantization recipe runs on a GPU kernel here (FP8 needs sm_89+, temoe's "
+                             "kernels Hopper); use a Hopper or Blackwell GPU, or te_moe_backend=xla.")
   report.lines.append(("NCCL", _version(nccl) if nccl else "not found"))
   if gpu and nccl is None:
     report.warnings.append("NCCL not found: multi-GPU runs need it (the NGC JAX images ship it).")

@@ -37,7 +37,8 @@ def layer_name(layer) -> str:
 
 def kernel_for(cfg) -> str:
   """The expert kernel this process runs for `cfg`, or a TemoeConfigError naming what to change."""
-  return recipes.resolve_backend(cfg.te_moe_backend, str(cfg.te_gmm_quantization), hardware.detect())
+  return recipes.resolve_backend(cfg.te_moe_backend, str(cfg.te_gmm_quantization), hardware.detect(),
+                                 recipes.model_shape(cfg))
 
 
 def context(layer) -> MoEContext:

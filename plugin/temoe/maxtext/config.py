@@ -45,7 +45,7 @@ def temoe_config_class():
         "default", description="MaxText's model names and temoe's (configs/models/<name>.yml beside the run config)."
     )
     te_moe_backend: str = pydantic.Field(
-        "auto", description="temoe MoE backend: auto (te on a GPU with Transformer Engine, else xla), te, xla."
+        "auto", description="temoe expert kernel: auto (the recipe's first kernel that runs here: temoe's mosaic for bf16 on Hopper, te, else xla), te, mosaic, xla."
     )
     te_moe_exchange: str = pydantic.Field(
         "auto", description="temoe's expert-parallel exchange (temoe.moe.exchange): auto, ragged, padded, dedup."
@@ -102,7 +102,8 @@ def _validate_temoe(model, types) -> None:
   _refuse_changed_semantics(model, types)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
-  recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect())
+  recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
+                          recipes.model_shape(model))
 
 
 

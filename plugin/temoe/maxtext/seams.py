@@ -1,6 +1,7 @@
 """Everything that touches MaxText internals, in one place, guarded by the MaxText version.
 
-Four seams, each the one function that decides the behaviour temoe changes:
+The seams, each the one function that decides the behaviour temoe changes (README, "How it hooks
+MaxText", lists them all; checkpointing.py and failures.py hold the checkpoint and failure ones):
 
 1. `pyconfig.initialize`'s schema: MaxText accepts a subclass of its config class; temoe passes
    `TemoeConfig`, which widens `te_gmm_quantization` to temoe's recipes, adds `te_moe_backend`,
@@ -12,6 +13,9 @@ Four seams, each the one function that decides the behaviour temoe changes:
    one device per process and >= 2 ranks; temoe's block needs no bootstrap.
 4. `metric_logger.record_activation_metrics`: what MaxText's train step logs from the model's
    intermediates under `record_internal_nn_metrics=true`; temoe adds its MoE metrics.
+5. `moe.uses_megatron_seq_aux_loss`: whether the train step sums the sequence-wise aux loss over
+   layers; MaxText answers False for te_moe_block, temoe answers as for the native block.
+`TOUCHPOINTS` / `CLASS_ATTRIBUTES` list everything else temoe calls; `check_maxtext` checks them all.
 """
 
 from __future__ import annotations
@@ -140,7 +144,8 @@ def describe_block(config, mesh) -> str:
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   plat = hardware.detect()
-  kernel = recipes.resolve_backend(config.te_moe_backend, config.te_gmm_quantization, plat)
+  kernel = recipes.resolve_backend(config.te_moe_backend, config.te_gmm_quantization, plat,
+                                  recipes.model_shape(config))
   why = {"xla": f": reference backend, {plat.describe()}", "mosaic": ": temoe's Pallas Mosaic GPU kernels, sync-free",
          "te": ": Transformer Engine grouped GEMM"}[kernel]
   return (

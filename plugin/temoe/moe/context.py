@@ -1,7 +1,8 @@
 """The frozen context the MoE core computes one routed-MoE layer with.
 
 Built once per layer call at the MaxText seam (`temoe.maxtext.adapter`) from MaxText's RoutedMoE
-and config, so the core never reads a MaxText object; tests and benchmarks build it directly.
+and config, so the core never reads a MaxText object; the one MaxText code it calls is the
+activation hook (`activation`: MaxText's `apply_ffn_activation`). Tests and benchmarks build it directly.
 """
 
 from __future__ import annotations

@@ -107,12 +107,20 @@ def maxtext_tflops(c) -> float:
   return introspect.maxtext_tflops(c)
 
 
+DENSE_FP8_QUANTIZATION = ("te_fp8_currentscaling", "te_mxfp8", "te_fp8_delayedscaling")
+"""MaxText's TE recipes for its dense layers (`quantization=`), which run their projections in FP8."""
+
+
 def fp8_flops(c, n: Count) -> float:
-  """FLOPs the recipe runs in FP8: temoe's FP8 recipes quantize the routed-expert GEMMs only."""
+  """FLOPs run in FP8: the routed-expert GEMMs under temoe's FP8 recipes, and the attention projections,
+  dense MLPs and shared experts under MaxText's TE FP8 `quantization` (attention's core, the router and
+  the logits are counted at bf16)."""
   from temoe import recipes  # pylint: disable=import-outside-toplevel
 
-  fp8 = getattr(c, "te_moe_block", False) and str(getattr(c, "te_gmm_quantization", "")) in recipes.FP8_RECIPES
-  return n.routed_experts if fp8 else 0.0
+  moe = getattr(c, "te_moe_block", False) and str(getattr(c, "te_gmm_quantization", "")) in recipes.FP8_RECIPES
+  quantization = getattr(c, "quantization", "") or ""
+  dense = str(getattr(quantization, "value", quantization)) in DENSE_FP8_QUANTIZATION
+  return (n.routed_experts if moe else 0.0) + (n.attention_proj + n.dense_mlp + n.shared_experts if dense else 0.0)
 
 
 def peak_for(device_kind: str) -> tuple[str, tuple[float, float]] | None:

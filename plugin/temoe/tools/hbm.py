@@ -125,7 +125,7 @@ def gathered_layer(config, sums: dict, block: str) -> float:
 
 def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estimate:
   """The estimate for `config` on `mesh` (a jax Mesh or AbstractMesh) with MoE backend `backend`:
-  temoe's `te` or `xla`, or `gmm` (MaxText's own MoE on a grouped-GEMM kernel: no dense expansion)."""
+  temoe's `te`, `mosaic` or `xla`, or `gmm` (MaxText's own MoE on a grouped-GEMM kernel: no dense expansion)."""
   state = abstract_state(config, mesh)
   resident, sums = state_parts(state, config)
   if device_platform == "cpu" and config.scan_layers:

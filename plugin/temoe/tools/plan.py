@@ -155,7 +155,8 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
     with platform_seen_as(seen):
       config = build_config(path, [*overrides, "quantization=''"], count)
   if config.te_moe_block:
-    backend = recipes.resolve_backend(config.te_moe_backend, str(config.te_gmm_quantization), seen)
+    backend = recipes.resolve_backend(config.te_moe_backend, str(config.te_gmm_quantization), seen,
+                                      recipes.model_shape(config))
   else:  # MaxText's own MoE: a grouped-GEMM kernel, or ragged_dot as temoe's xla backend
     backend = "gmm" if config.megablox or config.use_tokamax_gmm else "xla"
   try:
