@@ -33,6 +33,7 @@ if jax.devices()[0].platform != "gpu" or getattr(jax.devices()[0], "compute_capa
   pytest.skip("the Mosaic GPU grouped GEMMs need a Hopper (sm_90) GPU", allow_module_level=True)
 
 # pylint: disable=wrong-import-position
+from temoe.moe.experts import fp8_quant as fq
 from temoe.moe.experts import mosaic_gemm as mz
 
 G, K, N, ROWS = 8, 1024, 512, 3584
@@ -78,6 +79,10 @@ def rel(a, ref) -> float:
   return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def tiles_of(sizes):
+  return mz.tile_groups(sizes, ROWS // mz.ROW_ALIGNMENT, mz.ROW_ALIGNMENT)
+
+
 def f32(a) -> np.ndarray:
   return np.asarray(jnp.asarray(a).astype(jnp.float32))
 
@@ -112,9 +117,9 @@ def test_ragged_rows_kernel(kind, gemm, fp8, record_property):
   x, w, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   if fp8:
-    a, sa = mz.quantize_rows(x if gemm == "fwd" else cot, sizes, mz.E4M3 if gemm == "fwd" else mz.E5M2)
-    wq, sw = mz.quantize_experts(w, mz.E4M3)
-    b, minor = (jnp.swapaxes(wq, 1, 2), True) if gemm == "fwd" else (wq, True)
+    a, _, sa = fq.quantize_rows(x if gemm == "fwd" else cot, tiles_of(sizes), G, mz.E4M3 if gemm == "fwd" else mz.E5M2)
+    wq, wqt, sw = fq.quantize_experts(w, mz.E4M3)
+    b, minor = (wqt, True) if gemm == "fwd" else (wq, True)
     scales = 1.0 / (sa * sw)
   else:
     a = (x if gemm == "fwd" else cot).astype(jnp.bfloat16)
@@ -143,9 +148,9 @@ def test_ragged_contract_kernel(kind, fp8, record_property):
   x, w, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   if fp8:
-    xq, sx = mz.quantize_rows(x, sizes, mz.E4M3)
-    dyq, sdy = mz.quantize_rows(cot, sizes, mz.E5M2)
-    a, b, minor, scales = xq.T, dyq.T, True, 1.0 / (sx * sdy)
+    _, xqt, sx = fq.quantize_rows(x, tiles_of(sizes), G, mz.E4M3)
+    _, dyqt, sdy = fq.quantize_rows(cot, tiles_of(sizes), G, mz.E5M2)
+    a, b, minor, scales = xqt, dyqt, True, 1.0 / (sx * sdy)
     a, b = nan_spare(a, used, axis=1), nan_spare(b, used, axis=1)
   else:
     a, b, minor = x, cot.astype(jnp.bfloat16), False
@@ -177,9 +182,9 @@ def test_ragged_contract_kernel(kind, fp8, record_property):
 )
 def test_other_tile_configs(cfg):
   x, w, sizes, _, _ = make_problem("skewed")
-  xq, sx = mz.quantize_rows(x, sizes, mz.E4M3)
-  wq, sw = mz.quantize_experts(w, mz.E4M3)
-  y = f32(rows_kernel(xq, jnp.swapaxes(wq, 1, 2), sizes, 1.0 / (sx * sw), config=cfg))
+  xq, _, sx = fq.quantize_rows(x, tiles_of(sizes), G, mz.E4M3)
+  wq, wqt, sw = fq.quantize_experts(w, mz.E4M3)
+  y = f32(rows_kernel(xq, wqt, sizes, 1.0 / (sx * sw), config=cfg))
   ref = np.zeros((ROWS, N), np.float32)
   xf, wf = f32(xq), f32(wq)
   per_group(sizes, lambda g, r: ref.__setitem__(r, xf[r] @ wf[g] / float(sx[g] * sw[g])))
@@ -219,6 +224,10 @@ def mosaic_fp8(x, w, sizes):
   return mz.grouped_matmul(x, w, sizes, fp8=True)
 
 
+def mosaic_fp8_triton(x, w, sizes):
+  return mz.grouped_matmul(x, w, sizes, fp8=True, quant="triton")
+
+
 def mosaic_bf16(x, w, sizes):
   return mz.grouped_matmul(x, w, sizes, fp8=False)
 
@@ -244,11 +253,11 @@ def poison_free_memory(nbytes: int = 1 << 30) -> None:
 
 
 @pytest.mark.parametrize("kind", LOADS)
-@pytest.mark.parametrize("fp8", [True, False])
-def test_grouped_matmul_vs_float32_and_te(kind, fp8, record_property):
+@pytest.mark.parametrize("fp8,quant", [(True, "xla"), (True, "triton"), (False, None)])
+def test_grouped_matmul_vs_float32_and_te(kind, fp8, quant, record_property):
   x, w, sizes, real, cot = make_problem(kind)
   used = int(sizes.sum())
-  fn = value_and_grads(mosaic_fp8 if fp8 else mosaic_bf16)
+  fn = value_and_grads({"xla": mosaic_fp8, "triton": mosaic_fp8_triton, None: mosaic_bf16}[quant])
   jax.block_until_ready(fn(x, w, sizes, cot))  # compiled (and cached) before the poisoning
   poison_free_memory()
   y, dx, dw = (f32(a) for a in fn(x, w, sizes, cot))
@@ -259,7 +268,7 @@ def test_grouped_matmul_vs_float32_and_te(kind, fp8, record_property):
   empty = np.flatnonzero(np.asarray(sizes) == 0)
   assert not dw[empty].any(), f"dw of empty experts {empty} must be exactly zero"
   ours = {"y": rel(y[real], ry[real]), "dx": rel(dx[real], rdx[real]), "dw": rel(dw, rdw)}
-  print(f"grouped_matmul fp8={fp8} {kind}: rel. error vs float32 " + ", ".join(f"{k} {v:.3e}" for k, v in ours.items()))
+  print(f"grouped_matmul fp8={fp8} quant={quant} {kind}: rel. error vs float32 " + ", ".join(f"{k} {v:.3e}" for k, v in ours.items()))
   for k, v in ours.items():
     record_property(f"rel_err_{k}", v)
   if not fp8:
@@ -276,9 +285,10 @@ def test_grouped_matmul_vs_float32_and_te(kind, fp8, record_property):
     assert ours[k] <= TE_FACTOR * theirs[k] + TE_ABS, (k, ours, theirs)
 
 
-def test_fwd_bwd_hlo_stays_on_device():
+@pytest.mark.parametrize("quant", ["xla", "triton"])
+def test_fwd_bwd_hlo_stays_on_device(quant):
   x, w, sizes, _, cot = make_problem("skewed")
-  text = value_and_grads(mosaic_fp8).lower(x, w, sizes, cot).compile().as_text()
+  text = value_and_grads({"xla": mosaic_fp8, "triton": mosaic_fp8_triton}[quant]).lower(x, w, sizes, cot).compile().as_text()
   kernels = re.findall(r'custom_call_target="(mosaic_gpu[^"]*)"', text)
   assert len(kernels) == 3, kernels  # forward, dgrad, wgrad: one launch each
   targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
@@ -286,6 +296,24 @@ def test_fwd_bwd_hlo_stays_on_device():
   assert not hostish, hostish
   for pattern in (r"\bsend\(", r"\brecv\(", r"\binfeed\(", r"\boutfeed\(", r"S\(5\)", r"MoveToHost", r"MoveToDevice"):
     assert not re.search(pattern, text), pattern
+
+
+@pytest.mark.parametrize("quant", ["triton"])
+def test_cast_transpose_kernel_matches_xla(quant):
+  """The Pallas Triton cast-transpose writes the same FP8 bits as the XLA expression, both layouts,
+  including saturation of values past the format's range."""
+  x, w, sizes, _, cot = make_problem("skewed")
+  for a, dtype in ((x, mz.E4M3), (cot, mz.E5M2)):
+    ours = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))(a, tiles_of(sizes), G, dtype, quant)
+    ref = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))(a, tiles_of(sizes), G, dtype, "xla")
+    for got, want in zip(ours, ref):
+      np.testing.assert_array_equal(np.asarray(f32(got)), np.asarray(f32(want)))
+  big = w * 1e4  # saturates at the E4M3 range under a scale computed from w
+  ours = fq.cast_transpose(big, jnp.full(big.shape[:2], 448.0 / 2.0), mz.E4M3, quant)
+  ref = fq.cast_transpose(big, jnp.full(big.shape[:2], 448.0 / 2.0), mz.E4M3, "xla")
+  for got, want in zip(ours, ref):
+    np.testing.assert_array_equal(np.asarray(f32(got)), np.asarray(f32(want)))
+    assert np.abs(np.asarray(f32(got))).max() == 448.0
 
 
 @pytest.mark.parametrize("k,n", [(1000, 512), (1024, 200), (64, 128)])

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from temoe.moe.experts import fp8_quant as fq
 from temoe.moe.experts import mosaic_gemm as mz
 
 INTERPRET = plgpu.InterpretGPUParams()
 # jitted once each: op-by-op dispatch would compile every primitive separately (slow on CPU)
 tile_groups = jax.jit(mz.tile_groups, static_argnums=(1, 2))
-row_groups = jax.jit(mz.row_groups, static_argnums=1)
 contraction_schedule = jax.jit(mz.contraction_schedule, static_argnums=1)
 tile_coords = jax.jit(mz.tile_coords, static_argnums=(1, 2, 3))
-quantize_rows = jax.jit(mz.quantize_rows, static_argnums=2)
-quantize_experts = jax.jit(mz.quantize_experts, static_argnums=1)
+quantize_rows = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))
+quantize_experts = jax.jit(fq.quantize_experts, static_argnums=(1, 2))
 CFG = mz.TileConfig(block_m=128, block_n=128, stages=2, compute_wgs=2, grid_block_n=2)
 
 
@@ -69,11 +69,15 @@ def test_tile_groups_edge_loads():
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_row_groups_matches_numpy(seed):
+def test_expert_amax_matches_numpy(seed):
   rng = np.random.default_rng(seed)
   sizes = random_sizes(rng, groups=5, rows=1024, empty=1)
-  expect = np.concatenate([np.full(n, g) for g, n in enumerate(sizes)] + [np.full(1024 - sizes.sum(), 5)])
-  np.testing.assert_array_equal(np.asarray(row_groups(jnp.asarray(sizes), 1024)), expect)
+  x = rng.standard_normal((1024, 64)).astype(np.float32) * rng.uniform(0.1, 10, (1024, 1)).astype(np.float32)
+  starts = np.concatenate([[0], np.cumsum(sizes)])
+  expect = [np.abs(x[starts[g]:starts[g + 1]]).max() if sizes[g] else 0.0 for g in range(5)]
+  tiles = tile_groups(jnp.asarray(sizes), 8, 128)
+  got = jax.jit(fq.expert_amax, static_argnums=2)(jnp.asarray(x), tiles, 5)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(expect, np.float32))
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -186,12 +190,35 @@ def test_kernels_lower_for_cuda_without_a_gpu():
 def test_quantize_rows_scales_each_expert_to_its_own_amax():
   sizes = jnp.array([128, 0, 256], jnp.int32)
   x = jnp.concatenate([jnp.full((128, 4), 2.0), jnp.full((256, 4), -0.5), jnp.full((128, 4), 9.0)])  # last 128 spare
-  xq, s = quantize_rows(x, sizes, mz.E4M3)
+  xq, xqt, s = quantize_rows(x, tile_groups(sizes, 4, 128), 3, mz.E4M3, "xla")
   np.testing.assert_allclose(np.asarray(s), [448 / 2.0, 1.0, 448 / 0.5])  # empty expert: scale 1
   assert float(xq[0, 0].astype(jnp.float32)) == 448 and float(xq[200, 0].astype(jnp.float32)) == -448
-  wq, sw = quantize_experts(jnp.stack([jnp.full((2, 2), 3.0), jnp.zeros((2, 2))]), mz.E5M2)
-  np.testing.assert_allclose(np.asarray(sw), [57344 / 3.0, 1.0])
-  assert np.isfinite(np.asarray(wq.astype(jnp.float32))).all()
+  np.testing.assert_array_equal(np.asarray(xqt.astype(jnp.float32)), np.asarray(xq.astype(jnp.float32)).T)
+  w = jnp.stack([jnp.arange(6.0).reshape(2, 3), jnp.zeros((2, 3))])
+  wq, wqt, sw = quantize_experts(w, mz.E5M2, "xla")
+  np.testing.assert_allclose(np.asarray(sw), [57344 / 5.0, 1.0])
+  assert wq.shape == (2, 2, 3) and wqt.shape == (2, 3, 2)
+  np.testing.assert_array_equal(np.asarray(wqt.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)).transpose(0, 2, 1))
+  assert float(wq[0, 1, 2].astype(jnp.float32)) == 57344
+
+
+def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch):
+  """The Pallas Triton cast-transpose (Pallas' generic interpreter on CPU) writes the same FP8 values
+  as the XLA expression in both layouts, saturating past the format's range."""
+  monkeypatch.setattr(fq, "INTERPRET", True)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((2, 128, 256)) * 300, jnp.bfloat16)
+  scale = jnp.asarray(rng.uniform(0.5, 2.0, (2, 128)), jnp.float32)
+  for dtype in (mz.E4M3, mz.E5M2):
+    ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(x, scale, dtype, "triton")
+    ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(x, scale, dtype, "xla")
+    assert ours[0].shape == (2, 128, 256) and ours[1].shape == (2, 256, 128)
+    for got, want in zip(ours, ref):
+      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    if dtype == mz.E4M3:  # |x * scale| reaches ~2,000 > 448: saturated, not NaN
+      assert float(jnp.max(jnp.abs(ours[0].astype(jnp.float32)))) == 448
+  with pytest.raises(ValueError, match="choose one of auto, xla, triton"):
+    fq.cast_transpose(x, scale, mz.E4M3, "cuda")
 
 
 # ---------------------------------------------------------------------------------- kernels (interpret)
@@ -252,13 +279,16 @@ def per_group_reference(xs, ws, dys, sizes):
 @jax.jit
 def fp8_operands(x, w, sizes, dy):
   """grouped_matmul's FP8 recipe on the operands: the dequantised E4M3 x, w and E5M2 dy values."""
-  g = w.shape[0]
-  rg = jnp.minimum(mz.row_groups(sizes, x.shape[0]), g - 1)
-  xq, sx = mz.quantize_rows(x, sizes, mz.E4M3)
-  wq, sw = mz.quantize_experts(w, mz.E4M3)
-  dyq, sdy = mz.quantize_rows(dy.astype(jnp.bfloat16), sizes, mz.E5M2)
+  g, m = w.shape[0], x.shape[0]
+  mp = -(-m // 128) * 128  # grouped_matmul pads the rows to whole tiles
+  x, dy = (jnp.pad(a, ((0, mp - m), (0, 0))) for a in (x, dy))
+  tiles = mz.tile_groups(sizes, mp // 128, 128)
+  rg = jnp.repeat(jnp.clip(tiles, 0, g - 1), 128)
+  xq, _, sx = fq.quantize_rows(x, tiles, g, mz.E4M3)
+  wq, _, sw = fq.quantize_experts(w, mz.E4M3)
+  dyq, _, sdy = fq.quantize_rows(dy.astype(jnp.bfloat16), tiles, g, mz.E5M2)
   f32 = lambda q: q.astype(jnp.float32)
-  return f32(xq) / sx[rg][:, None], f32(wq) / sw[:, None, None], f32(dyq) / sdy[rg][:, None]
+  return (f32(xq) / sx[rg][:, None])[:m], f32(wq) / sw[:, None, None], (f32(dyq) / sdy[rg][:, None])[:m]
 
 
 def test_grouped_matmul_fp8_forward_and_grads():

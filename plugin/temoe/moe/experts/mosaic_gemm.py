@@ -21,7 +21,7 @@ whole tile sequence, so the next tile's loads overlap the current tile's epilogu
 -> per-group scale -> out dtype -> SMEM -> TMA store). FP8 wgmma needs the contraction dim
 contiguous for both operands, so every FP8 GEMM is "A (rows, C) x B (cols, C)^T": forward reads an
 FP8 copy of w^T (G, N, K), dgrad reads w (G, K, N) as stored, wgrad reads FP8 copies of x^T (K, M)
-and dy^T (N, M); the casts/transposes are plain JAX so XLA fuses them. bf16 uses the stored layouts
+and dy^T (N, M); `fp8_quant` casts each operand once into both layouts. bf16 uses the stored layouts
 directly (16-bit operands may be transposed in SMEM), so the bf16 path needs no transposes.
 
 Scheduling (plain functions, unit-tested on CPU): `tile_groups` maps each block_m row tile to its
@@ -31,7 +31,7 @@ orders experts largest-first so the round-robin over SMs starts with the longest
 `tile_coords` rasters output tiles in bands of `grid_block_n` column tiles for L2 reuse. Tile i of
 the grid is handled by SM i % num_sms.
 
-FP8 scaling: per-expert current scaling for x, w and dy (amax on device each call). The kernels
+FP8 scaling (`fp8_quant`): per-expert current scaling for x, w and dy (amax on device each call). The kernels
 know every tile's expert, so per-expert scales fold into the fp32 epilogue for free (one multiply
 by 1 / (s_a[g] * s_b[g])); the amax pass costs the same as a per-tensor one; and an expert whose
 activations or weights are smaller than the largest expert's keeps the full FP8 range instead of
@@ -55,10 +55,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from temoe.moe.experts import fp8_quant
+
 ROW_ALIGNMENT = 128  # groups padded to multiples of this; tiles never straddle two experts
 
-E4M3 = jnp.float8_e4m3fn
-E5M2 = jnp.float8_e5m2
+E4M3 = fp8_quant.E4M3
+E5M2 = fp8_quant.E5M2
 _FP8 = (jnp.dtype(E4M3), jnp.dtype(E5M2))
 _SMEM_BYTES = 227 * 1024
 _SWIZZLE = 128  # bytes: every operand tile row is 128 bytes (128 FP8 / 64 bf16 elements)
@@ -241,13 +243,6 @@ def _minimum(a, b):
   if isinstance(a, int) and isinstance(b, int):
     return min(a, b)
   return jnp.minimum(a, b)
-
-
-def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-  """(rows,) int32 expert of each row; G (out of range) for spare rows past the groups."""
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  r = jnp.arange(rows, dtype=jnp.int32)
-  return jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -566,39 +561,6 @@ def ragged_contract_matmul(
 # ----------------------------------------------------------------------------------------------
 # grouped_matmul: FP8 (current scaling per expert) or bf16, with a custom VJP
 
-_FMAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
-
-
-def group_scales(amax: jax.Array, dtype) -> jax.Array:
-  """Quantisation scales fmax / amax (1 where amax is 0, -inf (empty group) or not finite)."""
-  amax = amax.astype(jnp.float32)
-  ok = jnp.isfinite(amax) & (amax > 0)
-  return jnp.where(ok, _FMAX[jnp.dtype(dtype)] / jnp.where(ok, amax, 1.0), 1.0)
-
-
-def quantize_rows(x: jax.Array, group_sizes: jax.Array, dtype):
-  """Per-expert current scaling of an expert-sorted (rows, d) buffer: (x_q, scales (G,)).
-
-  x_q[r] = x[r] * scales[g(r)] in `dtype` (saturating); rows past the groups use the last scale
-  (they are never read by the kernels).
-  """
-  g = group_sizes.shape[0]
-  rg = row_groups(group_sizes, x.shape[0])
-  row_amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
-  s = group_scales(jax.ops.segment_max(row_amax, rg, num_segments=g), dtype)
-  return _saturate(x.astype(jnp.float32) * s[jnp.minimum(rg, g - 1)][:, None], dtype), s
-
-
-def quantize_experts(w: jax.Array, dtype):
-  """Per-expert current scaling of (G, ...) weights: (w_q, scales (G,))."""
-  s = group_scales(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=tuple(range(1, w.ndim))), dtype)
-  return _saturate(w.astype(jnp.float32) * s.reshape((-1,) + (1,) * (w.ndim - 1)), dtype), s
-
-
-def _saturate(v, dtype):
-  fmax = _FMAX[jnp.dtype(dtype)]
-  return jnp.clip(v, -fmax, fmax).astype(dtype)
-
 
 def _pad_rows(x, rows):
   return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
@@ -613,6 +575,7 @@ def grouped_matmul(
     out_dtype=jnp.bfloat16,
     configs: GemmConfigs | None = None,
     sms: int | None = None,
+    quant: str | None = None,
 ) -> jax.Array:
   """y (M, N): rows of group g of x (M, K) times w[g] (w: (G, K, N), MaxText's layout).
 
@@ -621,32 +584,37 @@ def grouped_matmul(
   E4M3 x and w forward, E5M2 dy backward, per-expert current scaling, fp32 epilogue; dw of an
   empty expert is exactly 0. fp8=False: the same kernels in bf16. Differentiable in x and w.
   configs: explicit TileConfigs per GEMM (default: default_config); sms: persistent grid size
-  (default: the device's SM count).
+  (default: the device's SM count); quant: fp8_quant's cast-transpose implementation (default
+  fp8_quant.DEFAULT_IMPL: its Triton kernel on a GPU).
   """
   m, k = x.shape
   g, k2, n = w.shape
   if k != k2 or group_sizes.shape != (g,):
     raise ValueError(f"shapes: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
   check_shapes(k, n)
-  return _gmm(x, w, group_sizes.astype(jnp.int32), bool(fp8), jnp.dtype(out_dtype), configs or GemmConfigs(), sms)
+  quant = fp8_quant.resolve(quant)
+  return _gmm(
+      x, w, group_sizes.astype(jnp.int32), bool(fp8), jnp.dtype(out_dtype), configs or GemmConfigs(), sms, quant
+  )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _gmm(x, w, group_sizes, fp8, out_dtype, configs, sms):
-  return _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gmm(x, w, group_sizes, fp8, out_dtype, configs, sms, quant):
+  return _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms, quant)[0]
 
 
-def _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms):
+def _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms, quant):
   m = x.shape[0]
   mp = -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
   xp = _pad_rows(x, mp)
   if fp8:
-    xq, sx = quantize_rows(xp, group_sizes, E4M3)
-    wq, sw = quantize_experts(w, E4M3)  # (G, K, N): dgrad reads it as stored
-    y = ragged_rows_matmul(
-        xq, jnp.swapaxes(wq, 1, 2), group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms
-    )
-    res = (xq, sx, wq, sw, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+    # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
+    # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored kept for dgrad.
+    tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
+    xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
+    wq, wqt, sw = fp8_quant.quantize_experts(w, E4M3, quant)
+    y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
+    res = (xqt, sx, wq, sw, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
   else:
     xb, wb = xp.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     y = ragged_rows_matmul(xb, wb, group_sizes, b_contract_minor=False, out_dtype=out_dtype, config=configs.fwd, sms=sms)
@@ -654,23 +622,24 @@ def _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms):
   return y[:m], res
 
 
-def _gmm_bwd(fp8, out_dtype, configs, sms, res, dy):
+def _gmm_bwd(fp8, out_dtype, configs, sms, quant, res, dy):
   del out_dtype
-  xq, sx, wq, sw, group_sizes, x_proto, w_proto = res
+  xs, sx, wq, sw, group_sizes, x_proto, w_proto = res
   m = dy.shape[0]
-  mp = xq.shape[0]
+  mp = xs.shape[1] if fp8 else xs.shape[0]
   dyp = _pad_rows(dy, mp)
   if fp8:
-    dyq, sdy = quantize_rows(dyp, group_sizes, E5M2)
+    tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
+    dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
     dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
     dw = ragged_contract_matmul(
-        xq.T, dyq.T, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
+        xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
     )
   else:
     dyb = dyp.astype(jnp.bfloat16)
     dx = ragged_rows_matmul(dyb, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
     dw = ragged_contract_matmul(
-        xq, dyb, group_sizes, a_contract_minor=False, b_contract_minor=False, out_dtype=w_proto.dtype,
+        xs, dyb, group_sizes, a_contract_minor=False, b_contract_minor=False, out_dtype=w_proto.dtype,
         config=configs.wgrad, sms=sms,
     )
   return dx[:m], dw, None
