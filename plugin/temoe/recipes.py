@@ -84,7 +84,7 @@ REGISTRY: dict[str, Recipe] = {
         Recipe("te_no_quant", "bf16 grouped GEMMs", "bfloat16", "bfloat16", "none", None,
                {"mosaic": 128, "te": 1, "xla": 1}, (1e-2, 1e-2), 0.0),
         Recipe("te_fp8_current", "FP8 with current scaling: E4M3 forward, E5M2 gradients", "float8_e4m3fn",
-               "float8_e5m2", "current", (8, 9), {"te": 16, "mosaic": 128}, (0.15, 0.2), 1.0),
+               "float8_e5m2", "current", (8, 9), {"mosaic": 128, "te": 16}, (0.15, 0.2), 1.0),
         Recipe("te_mxfp8", "MXFP8: E4M3 with a power-of-two scale per 32 elements", "float8_e4m3fn",
                "float8_e4m3fn", "mxfp8", BLACKWELL, {"te": 128}, (0.15, 0.2), 1.0 + 1.0 / 32),
     )
