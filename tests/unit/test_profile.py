@@ -54,6 +54,7 @@ def test_categories_sum_to_the_step_time_and_overlap_counts_once(profiled):
   union += end - start
   busy_ms = r["step_ms"] - r["ms_per_step"]["idle"]
   assert busy_ms == pytest.approx(union / r["steps"] / 1e6, rel=1e-6)
+  assert r["idle_fraction"] == pytest.approx(1 - union / r["steps"] / 1e6 / r["step_ms"], rel=1e-6)
   assert 1 / 3 < r["step_ms"] / r["maxtext_step_ms"] < 3  # and MaxText's own clock agrees on the scale
 
 
@@ -78,6 +79,20 @@ def test_classification_by_opcode_and_innermost_scope():
   assert profiling.classify("jit(train_step)/temoe_expertsx/add", "add") == "other"
   hlo = '  ROOT %all-to-all.1 = (f32[2]{0}, s32[]) all-to-all(%p), metadata={op_name="jit(f)/temoe_dispatch/a"}'
   assert profiling.hlo_instructions(hlo) == {"all-to-all.1": ("all-to-all", "jit(f)/temoe_dispatch/a")}
+  # unscoped GEMMs are dense: cuBLAS / TE custom calls, dots, GEMM fusions; other custom calls are not
+  gemm = ('  %custom-call.9 = (bf16[4096,129280]{1,0}, s8[0]{0}) custom-call(%a, %b), '
+          'custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/jvp()/dot_general"}')
+  fusion = '  %fusion.3 = bf16[8,8]{1,0} fusion(%a), kind=kCustom, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}'
+  found = profiling.hlo_instructions("\n".join([gemm, fusion]))
+  assert found["custom-call.9"] == ("custom-call:__cublas$gemm", "jit(train_step)/jvp()/dot_general")
+  assert found["fusion.3"] == ("fusion:gemm", "")
+  for name in ("custom-call.9", "fusion.3"):
+    opcode, op_name = found[name]
+    assert profiling.classify(op_name, opcode) == "dense", name
+  assert profiling.classify("jit(train_step)/dot_general", "custom-call:te_gemm_ffi") == "dense"
+  assert profiling.classify("jit(train_step)/x", "dot") == "dense"
+  assert profiling.classify("jit(train_step)/attn", "custom-call:__cudnn$fmhaSoftmax") == "other"
+  assert profiling.classify(f"{remat}/temoe_experts/x", "custom-call:mosaic_gpu_v2") == "experts"
 
 
 def test_attribution_shares_overlap_and_exposes_collectives():

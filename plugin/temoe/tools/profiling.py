@@ -1,6 +1,7 @@
 """`temoe profile <config.yml> [key=value ...]`: a few training steps under MaxText's own profiler
 (`profiler=xplane`), and the step time split into attention, router, dispatch, experts (grouped
-GEMMs), combine, collectives, optimizer, other and idle, read from the trace.
+GEMMs), combine, collectives, dense (GEMMs outside those: MLPs, shared experts, logits), optimizer,
+other and idle, read from the trace.
 
 Each device op in the trace names its HLO instruction; the HLO module stored in the trace (read with
 xprof) gives the instruction's opcode and its JAX op_name, which holds the named scopes of the code
@@ -37,7 +38,8 @@ SCOPES = {
     "temoe_combine": "combine",
     "temoe_optimizer": "optimizer",
 }
-CATEGORIES = ("attention", "router", "dispatch", "experts", "combine", "collectives", "optimizer", "other", "idle")
+CATEGORIES = ("attention", "router", "dispatch", "experts", "combine", "collectives", "dense", "optimizer", "other",
+              "idle")
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops", "Framework Name Scope",
                  "XLA TraceMe")
 """Timelines xprof derives from the kernels (copies of their time): left out where a trace holds them."""
@@ -47,25 +49,40 @@ COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "reduce-scatter"
 _SCOPE = re.compile(r"\b(" + "|".join(SCOPES) + r")\b")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="([^"]*)"')
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_GEMM_TARGET = re.compile(r"gemm|matmul", re.I)  # cuBLAS(Lt) GEMMs, TE's te_gemm_ffi
+_GEMM_FUSION = re.compile(r"__triton_gemm|__cudnn\$fusion|__cublas")
 
 
 def classify(op_name: str, opcode: str, hlo_op: str = "") -> str:
-  """Category of one HLO instruction: collectives by opcode (or name), else its innermost scope."""
+  """Category of one HLO instruction: collectives by opcode (or name), else its innermost scope;
+  unscoped GEMMs (opcode `dot`, `custom-call:<GEMM target>`, `fusion:gemm`) are `dense`."""
   for kind in (opcode, re.sub(r"\.\d+$", "", hlo_op)):
     if kind.removesuffix("-start").removesuffix("-done") in COLLECTIVES:
       return "collectives"
   scopes = _SCOPE.findall(op_name)
-  return SCOPES[scopes[-1]] if scopes else "other"
+  if scopes:
+    return SCOPES[scopes[-1]]
+  kind, _, target = opcode.partition(":")
+  if kind == "dot" or (kind == "custom-call" and _GEMM_TARGET.search(target)) or (kind == "fusion" and target == "gemm"):
+    return "dense"
+  return "other"
 
 
 def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
-  """instruction name -> (opcode, op_name) from an HLO module's text (with metadata)."""
+  """instruction name -> (opcode, op_name) from an HLO module's text (with metadata); custom calls'
+  opcodes carry their target (`custom-call:__cublas$gemm`), GEMM fusions read `fusion:gemm`."""
   out = {}
   for line in hlo_text.splitlines():
     m = _INSTRUCTION.match(line)
     if m:
-      meta = _OP_NAME.search(line)
-      out[m.group(1)] = (m.group(2), meta.group(1) if meta else "")
+      meta, opcode = _OP_NAME.search(line), m.group(2)
+      if opcode == "custom-call":
+        target = _TARGET.search(line)
+        opcode = f"custom-call:{target.group(1) if target else ''}"
+      elif opcode == "fusion" and _GEMM_FUSION.search(line):
+        opcode = "fusion:gemm"
+      out[m.group(1)] = (opcode, meta.group(1) if meta else "")
   return out
 
 
@@ -211,6 +228,7 @@ def breakdown(xplane: str, steps: int | None = None, module: str = "train_step")
       "step_ms": step_ms,
       "ms_per_step": ms,
       "share": {c: (v / step_ms if step_ms else 0.0) for c, v in ms.items()},
+      "idle_fraction": ms["idle"] / step_ms if step_ms else 0.0,  # GPU idle / step time
       "collectives_total_ms": totals["collectives_total"] / devices,  # exposed or hidden under compute
       "unmatched_ms": totals["unmatched"] / devices,  # ops whose HLO instruction the trace did not hold
       "top_ops": [
