@@ -4,7 +4,8 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
   dsv3            7168 / 2048 / 32 / 8192 x 8   DeepSeek-V3's 32 big experts
   dsv3_ep8        7168 / 2048 /  8 / 8192 x 2   the local slice of one EP-8 rank
   qwen3_30b_a3b   2048 /  768 / 128 / 8192 x 8  fine-grained MoE
-Paths per shape, each measured in this process: temoe FP8 on its Hopper kernels (`mosaic`), temoe
+Paths per shape, each measured in this process: temoe FP8 on its Hopper kernels (`mosaic`, with
+fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
 it), and the dense FP8 (TE) and bf16 (XLA) ceilings of the same GEMMs. Per-GEMM forward TFLOP/s
@@ -25,10 +26,11 @@ import time
 import jax
 import jax.numpy as jnp
 
+import plots  # bench/plots.py, beside this file
 from temoe import recipes
 from temoe.moe import block, dispatch
 from temoe.moe.context import MoEContext
-from temoe.moe.experts import parts
+from temoe.moe.experts import fp8_quant, parts
 
 SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
     "dsv3": (7168, 2048, 32, 8192, 8),
@@ -37,10 +39,12 @@ SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
 }
 PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8": ("mosaic", "te_fp8_current"),
+    "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
     "temoe_bf16": ("mosaic", "te_no_quant"),
     "tokamax_bf16": ("tokamax", "te_no_quant"),
 }
+QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
 
 
 def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
@@ -147,7 +151,7 @@ def error_text(exc: Exception) -> str:
   return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
-def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATHS)) -> dict:
+def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATHS), trace: str = "") -> dict:
   hidden, ffn, experts, tokens, top_k = SHAPES[name]
   key = jax.random.key(0)
   ids, weights = skewed_routing(key, experts, tokens, top_k)
@@ -165,11 +169,18 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       "load_max_over_mean": float(loads.max() / loads.mean()), "empty_experts": int((loads == 0).sum()),
       "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
+  default_quant = fp8_quant.DEFAULT_IMPL
   for path in paths:
     kernel, recipe = PATHS[path]
     ctx = context(kernel, recipe, experts, top_k)
+    fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # read when the path is traced
     try:
-      seconds = timed(layer_fwdbwd(ctx, ids, weights), x, wi, wo, cot, iters=iters)
+      fn = layer_fwdbwd(ctx, ids, weights)
+      seconds = timed(fn, x, wi, wo, cot, iters=iters)
+      if trace:
+        with jax.profiler.trace(os.path.join(trace, f"{name}.{path}")):
+          for _ in range(3):
+            jax.block_until_ready(fn(x, wi, wo, cot))
       out[f"{path}_fwdbwd_tflops"] = useful / seconds / 1e12
       out[f"{path}_fwdbwd_ms"] = seconds * 1e3
       if per_gemm:
@@ -183,6 +194,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       out[f"{path}_error"] = error_text(exc)
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
           flush=True)
+  fp8_quant.DEFAULT_IMPL = default_quant
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
   cd = jax.random.normal(kc, (rows, 2 * ffn), jnp.float32)
@@ -201,27 +213,13 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
 
 
 def plot(result: dict, path: str) -> None:
-  try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return
   names = list(result["shapes"])
-  series = [*PATHS, "fp8_dense_ceiling", "bf16_dense_ceiling"]
-  fig, ax = plt.subplots(figsize=(9, 4))
-  width = 0.8 / len(series)
-  for i, s in enumerate(series):
+  series = {}
+  for s in [*PATHS, "fp8_dense_ceiling", "bf16_dense_ceiling"]:
     key = f"{s}_tflops" if "ceiling" in s else f"{s}_fwdbwd_tflops"
-    ax.bar([j + i * width for j in range(len(names))], [result["shapes"][n].get(key, 0) for n in names], width,
-           label=s)
-  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
-  ax.set_ylabel("useful TFLOP/s, fwd+bwd")
-  ax.set_title(f"MoE layer (dispatch + expert MLP + combine), {result['device']}")
-  ax.legend(fontsize=7, ncol=2)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
+    series[s] = [result["shapes"][n].get(key, 0) for n in names]
+  plots.grouped_bars(path, names, series, "useful TFLOP/s, fwd+bwd",
+                     f"MoE layer (dispatch + expert MLP + combine), {result['device']}")
 
 
 def main() -> None:
@@ -231,6 +229,7 @@ def main() -> None:
   parser.add_argument("--shapes", default=",".join(SHAPES))
   parser.add_argument("--paths", default=",".join(PATHS))
   parser.add_argument("--no-per-gemm", action="store_true", help="the layer only (bench/mosaic_gemm.py sweeps GEMMs)")
+  parser.add_argument("--trace", default="", help="also write a profiler trace of 3 iterations per path here")
   args = parser.parse_args()
   result = {
       "command": " ".join(["python", "bench/moe_layer.py", *sys.argv[1:]]),
@@ -239,7 +238,7 @@ def main() -> None:
   }
   os.makedirs(args.out, exist_ok=True)
   for name in args.shapes.split(","):
-    result["shapes"][name] = measure_shape(name, args.iters, not args.no_per_gemm, args.paths.split(","))
+    result["shapes"][name] = measure_shape(name, args.iters, not args.no_per_gemm, args.paths.split(","), args.trace)
     with open(os.path.join(args.out, "moe_layer.json"), "w", encoding="utf-8") as f:  # after every shape
       json.dump(result, f, indent=1)
   plot(result, os.path.join(args.out, "moe_layer.png"))

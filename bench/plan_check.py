@@ -20,7 +20,9 @@ HERE = pathlib.Path(__file__).resolve().parent
 def main() -> int:
   parser = argparse.ArgumentParser()
   parser.add_argument("--paths", default="temoe_fp8")
-  parser.add_argument("--results", default=str(HERE / "results" / "proxy_1gpu.json"))
+  parser.add_argument("--results", default=str(HERE / "results" / "proxy_1gpu.json"),
+                      help="comma list of proxy_1gpu.py result files; a path's peak comes from the first holding it")
+  parser.add_argument("--out", help="write the rows (and this command) as JSON here")
   args = parser.parse_args()
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   sys.path.insert(0, str(HERE))
@@ -28,8 +30,10 @@ def main() -> int:
 
   from temoe.tools import plan  # pylint: disable=import-outside-toplevel
 
-  measured = json.loads(pathlib.Path(args.results).read_text())["paths"]
-  worst = 0.0
+  measured = {}
+  for results in reversed(args.results.split(",")):
+    measured.update(json.loads(pathlib.Path(results).read_text())["paths"])
+  worst, rows = 0.0, []
   for path in args.paths.split(","):
     peak = measured.get(path, {}).get("peak_hbm_gib")
     if not peak:
@@ -41,7 +45,11 @@ def main() -> int:
     estimate = p.estimate.peak / 2**30
     ratio = estimate / peak
     worst = max(worst, abs(ratio - 1))
-    print(f"PLAN_CHECK {json.dumps({'path': path, 'estimate_gib': estimate, 'measured_gib': peak, 'ratio': ratio})}")
+    rows.append({"path": path, "estimate_gib": estimate, "measured_gib": peak, "ratio": ratio})
+    print(f"PLAN_CHECK {json.dumps(rows[-1])}")
+  if args.out:
+    command = " ".join(["python", "bench/plan_check.py", *sys.argv[1:]])
+    pathlib.Path(args.out).write_text(json.dumps({"command": command, "tolerance": plan.TOLERANCE, "rows": rows}, indent=1))
   return 0 if worst <= plan.TOLERANCE else 1
 
 

@@ -1,12 +1,14 @@
 """Benchmark: MaxText training of the 1-GPU DeepSeek-V3 proxy, one path per fresh process.
 
-`temoe_fp8` is the shipped config, `configs/deepseek3-proxy-1gpu.yml`, as a user runs it (FP8 dense
-GEMMs; its expert GEMMs in bf16 on temoe's sync-free Mosaic GPU kernels, measured fastest). `stock_best` is the fastest stock MaxText we
-know on the same GPU: the same model and settings (cuDNN attention, MaxText's TE FP8 for the dense
-GEMMs, the same remat) with MaxText's own tokamax grouped GEMM instead of temoe's block. The other
-paths take one setting away or swap one part, so each setting's gain is measured in the same call:
-`temoe_fp8_te` / `temoe_fp8_mosaic` (FP8 expert GEMMs on TE's grouped GEMM / on temoe's kernels), `temoe_fp8_env` (+ `temoe env`'s container profile),
-`temoe_fp8_remat_full`, `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, and the stock paths as committed
+`temoe_fp8` is the shipped config, `configs/deepseek3-proxy-1gpu.yml`, as a user runs it (FP8 expert
+GEMMs on temoe's sync-free Hopper kernels, MaxText's TE FP8 for the dense GEMMs). `stock_best` is the
+fastest stock MaxText we know on the same GPU: the same model and settings (cuDNN attention, MaxText's
+TE FP8 for the dense GEMMs, the same remat) with MaxText's own tokamax grouped GEMM instead of temoe's
+block. The other paths take one setting away or swap one part, so each setting's gain is measured in
+the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_fp8_te` (FP8 expert
+GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s container profile),
+`temoe_fp8_graphs` (XLA's command-buffer list, i.e. CUDA graphs, set explicitly without CONDITIONAL;
+every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`, `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, and the stock paths as committed
 before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full). Each
 reports median tokens/s and MaxText's TFLOP/s/device over the steps after warm-up, and peak HBM;
 ratios are against `stock_best`. Writes JSON (with the exact command) and a PNG.
@@ -37,12 +39,15 @@ PROXY = [  # the stock paths as committed before: MaxText's 671B shapes cut to t
 ]
 STOCK_MOE = ["te_moe_block=false", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"]
 
-PATHS = {  # name -> (config, overrides, with the container env profile)
+GRAPHS = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"}
+
+PATHS = {  # name -> (config, overrides, environment: False, True (the container env profile) or a dict)
     "temoe_fp8": (SHIPPED, [], False),
     "stock_best": (SHIPPED, STOCK_MOE, False),
-    "temoe_fp8_te": (SHIPPED, ["te_gmm_quantization=te_fp8_current", "te_moe_backend=te"], False),
-    "temoe_fp8_mosaic": (SHIPPED, ["te_gmm_quantization=te_fp8_current", "te_moe_backend=mosaic"], False),
+    "temoe_bf16_moe": (SHIPPED, ["te_gmm_quantization=te_no_quant"], False),
+    "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
+    "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
     "stock_best_env": (SHIPPED, STOCK_MOE, True),
     "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
     "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),
@@ -84,10 +89,13 @@ def worker(path: str, steps: int, workdir: str) -> None:
 def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
   cmd = [sys.executable, __file__, "--worker", path, "--steps", str(steps), "--workdir", workdir]
   env = dict(os.environ)
-  if PATHS[path][2]:
+  extra = PATHS[path][2]
+  if extra is True:
     from temoe.deploy import env as profile  # pylint: disable=import-outside-toplevel
 
     env.update(profile.environment("hopper", env))
+  elif extra:
+    env.update({k: f"{env.get(k, '')} {v}".strip() for k, v in extra.items()})
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
   except subprocess.TimeoutExpired:
@@ -141,7 +149,7 @@ def plot(result: dict, png: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--paths", default="temoe_fp8,stock_best,temoe_fp8_te,temoe_fp8_mosaic")
+  parser.add_argument("--paths", default="temoe_fp8,stock_best,temoe_bf16_moe,temoe_fp8_te")
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--timeout", type=int, default=240)
   parser.add_argument("--out", default="bench/results")

@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on a GPU host with TE 2.20 + MaxText 0.2.5 installed
-# (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, layer, proxy.
-#   bash bench/run_gpu.sh [tests] [gemm] [layer] [proxy [--paths a,b]]    (default: all four)
+# (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, proxy.
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [proxy [--paths a,b]]    (default: all five)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD/plugin${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-bench/results}; mkdir -p "$out"
-stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(tests gemm layer proxy)
+stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(tests gemm quant layer proxy)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 rc=0
 for i in "${!stages[@]}"; do
   case "${stages[$i]}" in
     tests) python3 -m pytest -q -rs -s tests/gpu --junitxml="$out/gpu_tests.xml" 2>&1 | tee "$out/gpu_tests.log" || rc=1 ;;
     gemm) python3 bench/mosaic_gemm.py --out "$out" || rc=1 ;;  # tile sweep of temoe's kernels, with correctness
+    quant) python3 bench/fp8_quant.py --out "$out" || rc=1 ;;  # FP8 cast-transpose block sweep, bit-checked vs XLA
     layer) python3 bench/moe_layer.py --out "$out" || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac

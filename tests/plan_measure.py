@@ -21,6 +21,10 @@ CASES = {  # name -> MaxText overrides of the smoke config
     "fsdp_state": ["override_model_config=true", "base_emb_dim=512", "base_mlp_dim=1024", "base_moe_mlp_dim=128",
                    "per_device_batch_size=1"],  # 4 host devices: the state sharded over FSDP 4
     "expert_parallel": ["ici_expert_parallelism=4", "per_device_batch_size=2"],  # 4 host devices: EP 4
+    # not in the set the estimate's terms were checked against: each changes one axis of the smoke config
+    "seq_256": ["max_target_length=256", "per_device_batch_size=2"],  # 4x the sequence, 1/4 the batch
+    "batch_16": ["per_device_batch_size=16"],  # 2x the batch
+    "remat_minimal": ["remat_policy=minimal_with_context"],  # saved activations instead of full remat
 }
 
 
