@@ -42,6 +42,17 @@ def smoke_data(tmp_path_factory) -> str:
   return data.write_parquet(str(tmp_path_factory.mktemp("data") / "smoke-train.parquet"))
 
 
+@pytest.fixture(scope="session")
+def profiled_smoke(tmp_path_factory, smoke_data):
+  """One `temoe profile` CPU run of the smoke config with MoE metrics on (5 steps, the last 2 traced),
+  shared by the profile and report tests (each reads it, none changes it): (run dir, CompletedProcess)."""
+  run = tmp_path_factory.mktemp("profiled") / "run"
+  result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "record_internal_nn_metrics=true",
+                     "--out", str(run), "--skip", "3", "--steps", "2")
+  assert result.returncode == 0, result.stderr[-4000:]
+  return run, result
+
+
 MARKERS = {"unit": "fast CPU tests", "e2e": "training runs in subprocesses (slow)", "slurm": "a real Slurm cluster",
            "gpu": "needs a GPU (bench/run_gpu.sh runs them)"}
 

@@ -7,15 +7,12 @@ import re
 
 import pytest
 
-from conftest import SMOKE, run_temoe
 from temoe.tools import profiling
 
 
 @pytest.fixture(scope="module")
-def profiled(tmp_path_factory, smoke_data):
-  out = tmp_path_factory.mktemp("profile") / "run"
-  result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "--out", str(out), "--skip=2", "--steps=2")
-  assert result.returncode == 0, result.stderr[-4000:]
+def profiled(profiled_smoke):
+  out, result = profiled_smoke
   return out, json.loads((out / "profile.json").read_text()), result.stdout
 
 

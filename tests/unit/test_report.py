@@ -18,11 +18,8 @@ LOG_LINE = re.compile(r"completed step: (\d+), seconds: [\d.]+, TFLOP/s/device: 
 
 
 @pytest.fixture(scope="module")
-def reported(tmp_path_factory, smoke_data):
-  run = tmp_path_factory.mktemp("report") / "run"
-  trained = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "record_internal_nn_metrics=true",
-                      "--out", str(run), "--skip", "3", "--steps", "2")
-  assert trained.returncode == 0, trained.stderr[-4000:]
+def reported(profiled_smoke):
+  run, trained = profiled_smoke
   result = run_temoe("report", str(run), "--gpu", "h200")
   assert result.returncode == 0, result.stderr[-4000:]
   log = {int(m[0]): (float(m[1]), float(m[2])) for m in LOG_LINE.findall(trained.stderr + trained.stdout)}
