@@ -8,9 +8,10 @@ tensor twice and leaves XLA an 8-bit transpose; here one pass reads the bf16 ten
 both FP8 copies (`cast_transpose`): on a GPU a Pallas Triton kernel that transposes in shared memory
 (`impl="triton"`; Pallas marks its Triton backend deprecated, still present in JAX 0.11), elsewhere
 the same math as one XLA expression (`impl="xla"`, bit-identical: tests/gpu checks it). Measured on
-an H200 (bench/results/fp8_quant.json): the kernel moves 1.4-2.1 TB/s, XLA's fusion 1.1-1.4 alone,
-and in the layer XLA's version fuses with its producers into a far slower whole (DeepSeek-V3 layer
-fwd+bwd 19.9 ms with the kernel, 51.8 ms without).
+an H200: alone, the kernel (64 x 128 block) moves 1.3-2.1 TB/s per DeepSeek-V3 operand, XLA's fusion
+1.0-1.5 (bench/results/fp8_quant*.json); in the layer XLA's version fuses with its producers into a
+far slower whole (DeepSeek-V3 layer fwd+bwd 19.9 ms with the kernel, 51.8 ms without:
+bench/results/moe_layer.quant.json).
 
 Scales are per expert (current scaling: amax on device every call). Groups are padded to 128-row
 tiles, so each tile of the expert-sorted buffer belongs to one expert (the table the forward kernel
@@ -31,7 +32,7 @@ E5M2 = jnp.float8_e5m2
 FMAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
 TILE_ROWS = 128  # the kernels' row alignment: no tile straddles two experts
 IMPLS = ("auto", "xla", "triton")
-DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.3-1.5x XLA's fusion alone, 2.1-2.6x in the layer), xla elsewhere
+DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.1-1.4x XLA's fusion alone, 2.1-2.6x in the layer), xla elsewhere
 # Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out.
 TRITON_BLOCK = (64, 128, 4)
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
