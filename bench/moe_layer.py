@@ -50,15 +50,13 @@ QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default
 def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
   """Stock MaxText's expert GEMMs (`use_tokamax_gmm=true`: tokamax.ragged_dot, implementation
   "mosaic", bf16) behind the expert-kernel contract, so dispatch and combine are the same."""
-  del biases, rows_expert
   import tokamax  # pylint: disable=import-outside-toplevel
 
   def gmm(a, w):
     return tokamax.ragged_dot(a, w, p.padded_group_sizes, precision=jax.lax.Precision.DEFAULT,
                               preferred_element_type=ctx.dtype, implementation="mosaic")
 
-  w0, w1 = parts.tag_up(*parts.split_gate_up(gmm(x, wi)))
-  return parts.tag_down(gmm(ctx.activation(w0, w1), wo))
+  return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gmm)
 
 
 def skewed_routing(key, experts: int, tokens: int, top_k: int, skew: float = 1.2):

@@ -33,8 +33,4 @@ def mlp(
   def gemm(a, w):
     return mosaic_gemm.grouped_matmul(a.astype(ctx.dtype), w.astype(ctx.dtype), sizes, fp8=fp8, out_dtype=ctx.dtype)
 
-  w0_bias, w1_bias, wo_bias = biases
-  w0, w1 = parts.split_gate_up(gemm(x, wi))
-  w0, w1 = parts.tag_up(parts.add_row_bias(w0, w0_bias, rows_expert), parts.add_row_bias(w1, w1_bias, rows_expert))
-  y = gemm(ctx.activation(w0, w1), wo)
-  return parts.tag_down(parts.add_row_bias(y, wo_bias, rows_expert))
+  return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gemm)

@@ -4,6 +4,8 @@ settings apply to temoe's block as they do to MaxText's own."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -24,3 +26,21 @@ def tag_up(w0: jax.Array, w1: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def tag_down(y: jax.Array) -> jax.Array:
   return checkpoint_name(checkpoint_name(y, "mlpwo"), "moe_mlpwo")
+
+
+def gated_mlp(
+    ctx,
+    x: jax.Array,
+    wi: jax.Array,
+    wo: jax.Array,
+    biases: tuple[jax.Array | None, jax.Array | None, jax.Array | None],
+    experts_of_rows: jax.Array | None,
+    gemm: Callable[[jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+  """The expert MLP every kernel computes, around its grouped GEMM `gemm(rows, w)`: gate/up over
+  MaxText's fused `wi`, row biases (outside the GEMMs), remat names, `ctx.activation`, down over `wo`."""
+  w0_bias, w1_bias, wo_bias = biases
+  w0, w1 = split_gate_up(gemm(x, wi))
+  w0, w1 = tag_up(add_row_bias(w0, w0_bias, experts_of_rows), add_row_bias(w1, w1_bias, experts_of_rows))
+  y = gemm(ctx.activation(w0, w1), wo)
+  return tag_down(add_row_bias(y, wo_bias, experts_of_rows))

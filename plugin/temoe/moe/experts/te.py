@@ -65,14 +65,9 @@ def mlp(
   Row biases are added outside the GEMMs (as in xla.mlp): a GEMM bias would push bf16 off TE's
   cuBLAS grouped kernel onto its slower multi-stream path.
   """
-  recipe = ctx.recipe
   group_sizes = dispatch.covering_group_sizes(p.padded_group_sizes, x.shape[0])
-  w0_bias, w1_bias, wo_bias = biases
-  h = grouped_matmul(x, wi, group_sizes, recipe, ctx.dtype)
-  w0, w1 = parts.split_gate_up(h)
-  w0, w1 = parts.tag_up(
-      parts.add_row_bias(w0, w0_bias, rows_expert), parts.add_row_bias(w1, w1_bias, rows_expert)
-  )
-  act = ctx.activation(w0, w1)
-  y = grouped_matmul(act, wo, group_sizes, recipe, ctx.dtype)
-  return parts.tag_down(parts.add_row_bias(y, wo_bias, rows_expert))
+
+  def gemm(a, w):
+    return grouped_matmul(a, w, group_sizes, ctx.recipe, ctx.dtype)
+
+  return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gemm)
