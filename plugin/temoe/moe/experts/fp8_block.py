@@ -29,9 +29,10 @@ over each bf16 operand a producer wrote, x (the dispatch gather's output) 1.33 m
 output) 0.46 ms, the incoming gradient dy (the combine's backward) 1.33 ms and the activation's
 gradient 0.86 ms, at 1.25-1.53 TB/s; each weight once per step into both layouts, wi 1.73 ms and wo
 0.79 ms (2.2-2.4 TB/s). About 6.5 ms of the 28 ms layer. They are not fused into the producers'
-epilogues: the gather, the activation and the combine's backward are XLA's, and the gate/up GEMM's
-tile (64 x 128 a warpgroup, its fp32 total beside the accumulator) holds 64 columns of each of gate
-and up, half of the 128 that one 1 x 128 scale of the activation spans.
+epilogues: the gather, the activation and the combine's backward are XLA's; and a warpgroup's tile
+of the gate/up GEMM is 64 x 128 (its fp32 total beside the accumulator), so to apply the activation
+in its epilogue it would hold 64 matching columns of gate and of up, which make 64 columns of h: half
+of the 128 that one 1 x 128 scale of h spans.
 """
 
 from __future__ import annotations
