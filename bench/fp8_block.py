@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_layer import timed  # bench/moe_layer.py, beside this file
 from temoe.moe.experts import fp8_block as fb
 
 ROWS = 69632  # the dsv3 layer's dispatch buffer: 8192 tokens x top-8 + 32 experts x 127, in 128-row tiles
@@ -30,16 +29,6 @@ OPERANDS = {  # name -> shape; rows operands are (rows, dim), weights (experts, 
     "wi (32 x 7168 x 4096)": ("weights", (32, 7168, 4096)),
     "wo (32 x 2048 x 7168)": ("weights", (32, 2048, 7168)),
 }
-
-
-def timed(fn, *args, iters: int = 10) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
 
 
 def main() -> None:
@@ -57,7 +46,7 @@ def main() -> None:
     moved = elems * (2 + 2) + elems // 128 * 4 * (2 if kind == "rows" else 1 / 64)
     rec = {"shape": shape, "bytes_moved": moved}
     ref = jax.jit(lambda a, quant=quant: quant(a, impl="xla"))(x)
-    sec = timed(jax.jit(lambda a, quant=quant: quant(a, impl="xla")), x)
+    sec = timed(jax.jit(lambda a, quant=quant: quant(a, impl="xla")), x, iters=10)
     rec["xla_ms"], rec["xla_tb_s"] = sec * 1e3, moved / sec / 1e12
     shipped = (fb.ROWS_WARPS, fb.WEIGHTS_WARPS)
     for warps in (int(w) for w in args.warps.split(",")):
@@ -67,7 +56,7 @@ def main() -> None:
         got = fn(x)
         rec[f"triton_w{warps}_differs"] = max(float(jnp.mean((g.astype(jnp.float32) != r.astype(jnp.float32))))
                                               for g, r in zip(got, ref))
-        sec = timed(fn, x)
+        sec = timed(fn, x, iters=10)
         rec[f"triton_w{warps}_ms"], rec[f"triton_w{warps}_tb_s"] = sec * 1e3, moved / sec / 1e12
       except Exception as exc:  # pylint: disable=broad-exception-caught
         rec[f"triton_w{warps}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
