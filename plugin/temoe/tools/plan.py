@@ -40,6 +40,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
   parser.add_argument("--slices", type=int, help="slices of the run (MaxText's num_slices; a GPU node is one)")
   parser.add_argument("--gpu", choices=sorted(hardware.GPUS), default="h200", help="target GPU when this host has none")
+  parser.add_argument("--sweep", action="store_true", help="plan every expert/FSDP/data layout of --devices and "
+                      "--slices and rank those that fit by predicted tokens/s (temoe.tools.sweep)")
   args, rest = parser.parse_known_args(argv)
   bad = [a for a in rest if "=" not in a or a.startswith("-")]
   if bad:
@@ -59,6 +61,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   for flag in ("devices", "slices"):
     if getattr(args, flag) is not None and getattr(args, flag) < 1:
       raise PlanInputError(f"--{flag}={getattr(args, flag)} must be at least 1")
+  if args.sweep and not args.devices:
+    raise PlanInputError("--sweep plans layouts of a job: pass its --devices N (and --slices S)")
   if args.slices:
     rest.append(f"num_slices={args.slices}")
   return args, rest
@@ -215,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
 
     failures.install_quiet_config_errors()
+    if args.sweep:
+      from temoe.tools import sweep  # pylint: disable=import-outside-toplevel
+
+      rows = sweep.run(args.config, overrides, args.devices, args.slices or 1, args.gpu, args.hbm_gib, dict(os.environ))
+      print("\n".join(sweep.table(rows, args.devices, args.slices or 1)))
+      return 0 if any(r.fits for r in rows) else 1
     p = make_plan(args.config, overrides, args.devices, args.gpu, args.hbm_gib)
   except SystemExit as exc:  # argparse: usage already printed
     return 2 if exc.code else 0
