@@ -307,9 +307,12 @@ def proxy_job(path: str):
 # --- main --------------------------------------------------------------------------------------------
 
 
-def measure(smoke: bool, iters: int) -> dict:
-  import jax  # pylint: disable=import-outside-toplevel
+SECTIONS = ("grouped_mlp", "grouped_gemm", "dense_gemm_tflops", "attention_core_tflops", "elementwise_tbps",
+            "optimizer_tbps")
 
+
+def measurements(smoke: bool, iters: int) -> dict:
+  """section -> a function measuring it (full-size shapes on a GPU; tiny ones with --smoke)."""
   if smoke:
     import moe_layer  # pylint: disable=import-outside-toplevel
     from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
@@ -319,18 +322,22 @@ def measure(smoke: bool, iters: int) -> dict:
     moe_layer.PATHS.setdefault("xla_bf16", ("xla", "te_no_quant"))  # the reference kernel: what CPU runs
     mosaic_gemm.num_sms = lambda: 4  # a CPU device reports no SMs
     shapes = {"smoke": (128, 128, 4, 64, 2)}
-    with plgpu.force_gpu_interpret_mode():
-      gemm = grouped_gemm(shapes, iters)
-    return {"grouped_mlp": grouped(shapes, ("xla_bf16",), iters), "grouped_gemm": gemm,
-            "dense_gemm_tflops": dense(SMOKE_ROLES, 64, iters), "attention_core_tflops": attention(1, 64, 2, 48, iters),
-            "elementwise_tbps": bandwidth([(256, 128)], iters), "optimizer_tbps": optimizer(1 << 12, iters)}
+
+    def interpreted_gemm():
+      with plgpu.force_gpu_interpret_mode():
+        return grouped_gemm(shapes, iters)
+
+    return {"grouped_mlp": lambda: grouped(shapes, ("xla_bf16",), iters), "grouped_gemm": interpreted_gemm,
+            "dense_gemm_tflops": lambda: dense(SMOKE_ROLES, 64, iters),
+            "attention_core_tflops": lambda: attention(1, 64, 2, 48, iters),
+            "elementwise_tbps": lambda: bandwidth([(256, 128)], iters), "optimizer_tbps": lambda: optimizer(1 << 12, iters)}
   shapes = {"dsv3": (7168, 2048, 32, 8192, 8), "dsv3_ep8": (7168, 2048, 8, 8192, 2),
             "dsv3_ep64": (7168, 2048, 4, 4096, 8), "qwen3_30b_a3b": (2048, 768, 128, 8192, 8)}
   operand_shapes = [(69632, 7168), (69632, 4096), (69632, 2048), (32, 7168, 4096), (32, 2048, 7168)]
-  del jax
-  return {"grouped_mlp": grouped(shapes, PATHS, iters), "grouped_gemm": grouped_gemm(shapes, iters),
-          "dense_gemm_tflops": dense(DENSE_ROLES, 8192, iters), "attention_core_tflops": attention(1, 4096, 128, 192, iters),
-          "elementwise_tbps": bandwidth(operand_shapes, iters), "optimizer_tbps": optimizer(1 << 30, iters)}
+  return {"grouped_mlp": lambda: grouped(shapes, PATHS, iters), "grouped_gemm": lambda: grouped_gemm(shapes, iters),
+          "dense_gemm_tflops": lambda: dense(DENSE_ROLES, 8192, iters),
+          "attention_core_tflops": lambda: attention(1, 4096, 128, 192, iters),
+          "elementwise_tbps": lambda: bandwidth(operand_shapes, iters), "optimizer_tbps": lambda: optimizer(1 << 30, iters)}
 
 
 def main() -> int:
@@ -339,7 +346,13 @@ def main() -> int:
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU: the test suite)")
   parser.add_argument("--derive", action="store_true", help="the H200 file from committed bench/results, no device")
+  parser.add_argument("--sections", default=",".join(SECTIONS),
+                      help="measure these sections only, into the existing file if there is one (a long run in parts)")
   args = parser.parse_args()
+  sections = args.sections.split(",")
+  unknown = sorted(set(sections) - set(SECTIONS))
+  if unknown:
+    parser.error(f"--sections {','.join(unknown)}: valid choices: {', '.join(SECTIONS)}")
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   command = " ".join(["python", "bench/calibrate.py", *sys.argv[1:]])
   if args.derive:
@@ -358,19 +371,27 @@ def main() -> int:
     device = jax.devices()[0]
     gpu = hardware.gpu_of_kind(device.device_kind)
     name = "smoke" if args.smoke else (gpu.name if gpu else device.device_kind.replace(" ", "_").lower())
-    started = time.time()
-    data = {"gpu": gpu.name if gpu else name, "device_kind": device.device_kind, "origin": "measured",
-            "command": command, **measure(args.smoke, args.iters)}
-    if args.smoke:
-      data["fitted"] = {}
+    path = pathlib.Path(args.out) / f"{name}.json"
+    pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+    kept = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and args.sections != ",".join(SECTIONS) else {}
+    data = {**kept, "gpu": gpu.name if gpu else name, "device_kind": device.device_kind, "origin": "measured",
+            "commands": [*kept.get("commands", []), command]}
+    for section, measure in measurements(args.smoke, args.iters).items():
+      if section in sections:
+        started = time.time()
+        data[section] = measure()
+        data.setdefault("seconds", {})[section] = time.time() - started
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")  # after every section
+    missing = [s for s in SECTIONS if s not in data]
+    if args.smoke or missing:
+      data["fitted"] = {"note": f"not fitted: {'a smoke run' if args.smoke else 'sections missing: ' + ', '.join(missing)}"}
     elif data["gpu"] == "h200":
       data["fitted"] = fit_h200(data)
     else:
-      reference = json.loads((pathlib.Path(args.out) / "h200.json").read_text(encoding="utf-8"))
+      reference = json.loads((RESULTS / "calibration" / "h200.json").read_text(encoding="utf-8"))
       data["fitted"] = {**reference["fitted"], "note": "copied from h200.json: no profile of this GPU is committed"}
-    data["seconds"] = time.time() - started
-  pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
   path = pathlib.Path(args.out) / f"{name}.json"
+  pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
   print(f"calibrate: wrote {path}")
   return 0

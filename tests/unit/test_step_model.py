@@ -31,7 +31,8 @@ def test_every_catalog_gpu_has_its_links_and_sources():
 
 def test_a_gpu_without_a_calibration_is_the_h200_one_scaled_and_says_so():
   own = calibration.calibration_for("h200")
-  assert not own.scaled and own.data["origin"] == "derived" and "not a calibrate.py run" in own.describe()
+  assert not own.scaled and own.data["origin"] in ("derived", "measured")
+  assert ("not a calibrate.py run" in own.describe()) == (own.data["origin"] == "derived")
   gb200 = calibration.calibration_for("gb200")
   assert gb200.scaled and "no calibration measured" in gb200.describe()
   assert gb200.compute_scale("fp8") == pytest.approx(5000 / 1978.9)
@@ -41,13 +42,13 @@ def test_a_gpu_without_a_calibration_is_the_h200_one_scaled_and_says_so():
     calibration.calibration_for("a100")
 
 
-def test_every_measured_number_of_the_derived_h200_file_names_a_committed_file():
+def test_every_number_of_the_h200_file_says_where_it_comes_from():
   data = calibration.calibration_for("h200").data
-  sources = [c["source"] for path in data["grouped_mlp"].values() for c in path.values()]
+  sources = [c["source"] for path in data["grouped_mlp"].values() for c in path.values() if isinstance(c, dict)]
   sources += [data["dense_gemm_tflops"][d]["source"] for d in ("bf16", "fp8")] + [data["elementwise_tbps"]["source"]]
-  for source in sources:
+  for source in sources:  # derived: a committed result file; measured: the benchmark function that measured it
     name = source.split()[0]
-    assert (ROOT / "bench" / "results" / name).is_file(), source
+    assert (ROOT / "bench" / "results" / name).is_file() or data["origin"] == "measured" and ".py" in name, source
   for key in ("dense_efficiency", "elementwise_efficiency", "optimizer_efficiency"):
     assert data["fitted"][key]["rows"] == ["temoe_fp8"], key
     assert all((ROOT / f.split()[0]).is_file() for f in data["fitted"][key]["fitted_from"])

@@ -87,8 +87,10 @@ class Calibration:
   def dense_tflops(self, dtype: str) -> float:
     """Dense GEMM rate, fwd+bwd, as it runs inside a training step (the micro-benchmark rate times the
     fitted in-step efficiency)."""
-    rate = float(self.data["dense_gemm_tflops"][dtype]["value"])
-    return rate * self.fitted("dense_efficiency") * self.compute_scale(dtype)
+    entry = self.data["dense_gemm_tflops"].get(dtype, {})
+    if "value" not in entry:
+      raise CalibrationError(f"calibration {self.path} has no {dtype} dense GEMM rate ({entry.get('error', 'missing')})")
+    return float(entry["value"]) * self.fitted("dense_efficiency") * self.compute_scale(dtype)
 
   def attention_core_tflops(self, kernel: str) -> tuple[float, str]:
     """(fwd+bwd TFLOP/s of the attention core of `kernel`, what the number is). Measured kernels first,
@@ -121,7 +123,7 @@ class Calibration:
     """The measured MoE-layer class of grouped-MLP path `path` for `experts` local experts of shape
     (hidden, ffn): of the classes with that shape, the one whose expert count is nearest (in ratio);
     without one, the class nearest in weight elements per expert (said in the note)."""
-    classes = self.data["grouped_mlp"].get(path)
+    classes = {n: c for n, c in self.data["grouped_mlp"].get(path, {}).items() if isinstance(c, dict) and "layer_ms" in c}
     if not classes:
       raise CalibrationError(f"calibration {self.path} has no grouped-MLP path {path}")
     exact = {n: c for n, c in classes.items() if (c["hidden"], c["expert_ffn"]) == (hidden, ffn)}
