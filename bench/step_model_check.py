@@ -37,6 +37,16 @@ the same flags as then, so they are kept)."""
 
 SEEDS = "/work/shared/NOTES.md and seeds (NVIDIA's JAX/TE MoE article)"
 BRIDGE = "github.com/NVIDIA-NeMo/Megatron-Bridge docs/performance-summary{,-archive}.md"
+GB300_PP2 = ["dcn_pipeline_parallelism=2", "ici_expert_parallelism=4", "dcn_expert_parallelism=8", "dcn_fsdp_parallelism=1",
+             "dcn_data_parallelism=4", "per_device_batch_size=16", "pipeline_parallel_layers=56",
+             "num_layers_per_pipeline_stage=4", "quantization=te_mxfp8"]
+"""Megatron's TP1 PP2 VP8 EP32 on 256 GPUs in MaxText: 2 stages of 28 pipelined layers in 7 repeats (the
+nearest to VP 8 that divides them), EP 32 inside a rack, the rest data parallel; GBS 4096."""
+GB200_PP4 = ["dcn_pipeline_parallelism=4", "ici_expert_parallelism=4", "dcn_expert_parallelism=16", "dcn_fsdp_parallelism=1",
+             "per_device_batch_size=16", "num_pipeline_microbatches=64", "pipeline_parallel_layers=56",
+             "num_layers_per_pipeline_stage=2", "quantization=te_mxfp8"]
+"""Megatron's TP1 PP4 VP4 EP64 MBS 1 on 256 GPUs in MaxText: 4 stages of 14 pipelined layers in 7 repeats,
+EP 64 in one rack, 64 microbatches of one sequence per pipeline replica; GBS 4096."""
 PUBLISHED = [
     # name, GPU, config, devices, slices, MaxText settings, reference, unit, source
     ("NVIDIA JAX + TE, 128 GB200, MXFP8 (FSDP 16 x EP 8, batch 6)", "gb200", "deepseek3-671b-gb200x256.yml", 128, 32,
@@ -46,29 +56,21 @@ PUBLISHED = [
      "(JAX-Toolbox docs/frameworks/maxtext/deepseek-v3-moe: 128 GPUs, FSDP 16 x EP 8, per_device_batch_size 6, "
      "te_mxfp8, te_fp8_currentscaling dense, cudnn_flash_te, moe_mlpwi offload); the article's GPU count not stated"),
     ("Megatron-Core paper, 256 GB300, MXFP8 (TP1 PP2 VP8 EP32, MBS 2)", "gb300", "deepseek3-671b-gb200x256.yml", 256, 64,
-     ["dcn_pipeline_parallelism=2", "ici_expert_parallelism=4", "dcn_expert_parallelism=8", "dcn_fsdp_parallelism=1",
-      "dcn_data_parallelism=4", "per_device_batch_size=16", "num_pipeline_microbatches=16",
-      "pipeline_parallel_layers=56", "num_layers_per_pipeline_stage=4", "quantization=te_mxfp8"],
+     [*GB300_PP2, "num_pipeline_microbatches=16"],
      1233.0, "TFLOP/s/GPU",
      "arXiv 2603.07685 (Megatron-Core MoE report): 1,233 TFLOP/s/GPU, 256 GB300; its layout assumed to be Megatron-"
      f"Bridge 26.02.01's DeepSeek-V3 GB300 row (1,219 TFLOP/s: GBS 4096, MBS 2, TP1 PP2 VP8 EP32, MXFP8; {BRIDGE})"),
     ("Megatron-Core paper, 256 GB200, MXFP8 (TP1 PP4 VP4 EP64, MBS 1)", "gb200", "deepseek3-671b-gb200x256.yml", 256, 64,
-     ["dcn_pipeline_parallelism=4", "ici_expert_parallelism=4", "dcn_expert_parallelism=16", "dcn_fsdp_parallelism=1",
-      "per_device_batch_size=16", "num_pipeline_microbatches=64", "pipeline_parallel_layers=56",
-      "num_layers_per_pipeline_stage=2", "quantization=te_mxfp8"],
+     GB200_PP4,
      1048.0, "TFLOP/s/GPU",
      "arXiv 2603.07685: 1,048 TFLOP/s/GPU, 256 GB200; layout assumed to be Megatron-Bridge 26.02.01's GB200 row "
      f"(1,046 TFLOP/s: GBS 4096, MBS 1, TP1 PP4 VP4 EP64, MXFP8; {BRIDGE})"),
     ("Megatron-Bridge 26.08, 256 GB300, MXFP8 (TP1 PP2 VP8 EP32, MBS 1)", "gb300", "deepseek3-671b-gb200x256.yml", 256, 64,
-     ["dcn_pipeline_parallelism=2", "ici_expert_parallelism=4", "dcn_expert_parallelism=8", "dcn_fsdp_parallelism=1",
-      "dcn_data_parallelism=4", "per_device_batch_size=16", "num_pipeline_microbatches=32",
-      "pipeline_parallel_layers=56", "num_layers_per_pipeline_stage=4", "quantization=te_mxfp8"],
+     [*GB300_PP2, "num_pipeline_microbatches=32"],
      1635.0, "TFLOP/s/GPU", f"{BRIDGE}, 26.08: GB300, 256 GPUs, MXFP8, GBS 4096, MBS 1, seq 4096, TP1 PP2 CP1 VP8 EP32: "
      "6,288 tokens/s/GPU, 1,635 TFLOP/s/GPU"),
     ("Megatron-Bridge 26.08, 256 GB200, MXFP8 (TP1 PP4 VP4 EP64, MBS 1)", "gb200", "deepseek3-671b-gb200x256.yml", 256, 64,
-     ["dcn_pipeline_parallelism=4", "ici_expert_parallelism=4", "dcn_expert_parallelism=16", "dcn_fsdp_parallelism=1",
-      "per_device_batch_size=16", "num_pipeline_microbatches=64", "pipeline_parallel_layers=56",
-      "num_layers_per_pipeline_stage=2", "quantization=te_mxfp8"],
+     GB200_PP4,
      1276.0, "TFLOP/s/GPU", f"{BRIDGE}, 26.08: GB200, 256 GPUs, MXFP8, GBS 4096, MBS 1, seq 4096, TP1 PP4 CP1 VP4 EP64: "
      "4,912 tokens/s/GPU, 1,276 TFLOP/s/GPU"),
     ("Megatron-Bridge 25.09, 1,024 H100, FP8 (TP2 PP8 VP4 EP64, MBS 1)", "h100", "deepseek3-671b-h100x1024.yml", 1024, 128,
