@@ -37,21 +37,23 @@ is reported at 460-480 GB/s of 450 nominal per direction), all-to-all lower, NIC
 
 ELEMENTWISE_PASSES = 45
 """Activation-sized passes (read or write of tokens x emb) per decoder layer outside attention, forward and
-backward, counted: two RMSNorms, two residual adds, routing and the shared expert's activation, and 12
-for the FP8 casts of the MLP inputs under MaxText's TE quantization; the backward twice the forward."""
+backward, estimated from the layer's ops (not measured): two RMSNorms, two residual adds, routing and the
+shared expert's activation, and 12 for the FP8 casts of the MLP inputs under MaxText's TE quantization; the
+backward twice the forward. The fitted elementwise efficiency absorbs how far the estimate is off."""
 
 FP8_CAST_PASSES = 12
 RECOMPUTE_PASSES = 15
 """The forward's elementwise passes again when a remat policy recomputes the layer's unnamed tensors."""
 
 VOCAB_BYTES = 16
-"""Bytes per token and vocabulary entry of the loss: logits read three times and float32 intermediates
-forward, logits read and their gradient written backward."""
+"""Bytes per token and vocabulary entry of the loss, estimated: logits read three times and float32
+intermediates forward, logits read and their gradient written backward."""
 
 WEIGHT_PASSES = (3, 1)
 """Passes over a device's own weights in the weight dtype (per microbatch, per step), counted from the
-weight-sized ops of the profiled one-microbatch step: sliced out of the layer stack forward and backward
-and relaid out for the expert kernels, per use; the gradient stack zeroed, once."""
+weight-sized ops among the profiled one-microbatch step's largest (bench/results/profile/temoe_fp8.json
+top_ops): sliced out of the layer stack forward and backward and relaid out for the expert kernels, per
+use; the gradient stack zeroed, once."""
 
 OVERLAP_FLAGS = {
     "scheduler": "xla_gpu_enable_latency_hiding_scheduler",
