@@ -61,8 +61,8 @@ def peer_kernel_limit(ep: int) -> Hazard | None:
   return Hazard(
       what=(f"EP {ep}: XLA's one-shot peer-pointer ragged all-to-all kernel takes at most {PEER_KERNEL_RANKS} "
             "ranks, so this exchange runs on XLA's other ragged all-to-all paths, reported as NCCL send/recv "
-            "after a device-to-host copy of the offsets and a host synchronisation; the step time below does "
-            "not price that latency"),
+            "after a device-to-host copy of the offsets and a host synchronisation; the predicted step time "
+            "does not price that latency"),
       fix=f"EP <= {PEER_KERNEL_RANKS} keeps the one-shot kernel; else measure the exchange on the cluster first",
       source=("XLA's ragged_all_to_all kernel (kMaxNumRaggedAllToAllOutputPtrs = 8); marin-community/marin#7891 "
               "(XLA source read at jaxlib 0.11.0's pin)"),
