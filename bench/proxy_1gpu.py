@@ -13,8 +13,10 @@ every path runs with XLA's default list, which includes custom calls), `temoe_fp
 `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, the remat variants that keep more of a layer for the
 backward (`*_save_moe`: minimal_with_context plus the MoE GEMM outputs MaxText names moe_mlpwi_0/1 and
 moe_mlpwo, which minimal_with_context recomputes in part: it names the gate half mlpwi_0 but not the
-up half; `*_save_all`: every tensor MaxText names; `temoe_fp8_remat_none`), and the stock paths as
-committed before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full).
+up half; `*_save_all`: every tensor MaxText names; remat_policy=none is no variant here: MaxText
+wraps each scanned layer in jax.checkpoint with the policy it names, and none names no policy, i.e.
+saves nothing, as full does), the memory plan's checks (`temoe_fp8_batch4`: twice the batch;
+`*_experts64`: twice the experts), and the stock paths as committed before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full).
 
 Each path runs at every depth of --layers: `path` is the proxy's own 3 layers (1 dense + 2 MoE),
 `path@5` the same with base_num_decoder_layers=5 (1 dense + 4 MoE). Only MoE layers are added, so for
@@ -90,7 +92,9 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "stock_best_save_moe": (SHIPPED, [*STOCK_MOE, *SAVE_MOE], False),
     "temoe_fp8_save_all": (SHIPPED, SAVE_ALL, False),
     "stock_best_save_all": (SHIPPED, [*STOCK_MOE, *SAVE_ALL], False),
-    "temoe_fp8_remat_none": (SHIPPED, ["remat_policy=none"], False),
+    "temoe_fp8_batch4": (SHIPPED, ["per_device_batch_size=4"], False),  # memory-plan checks: twice the tokens,
+    "temoe_fp8_experts64": (SHIPPED, ["override_model_config=true", "num_experts=64"], False),  # twice the experts
+    "stock_best_experts64": (SHIPPED, [*STOCK_MOE, "override_model_config=true", "num_experts=64"], False),
     "temoe_bf16": (SHIPPED, ["te_gmm_quantization=te_no_quant", "quantization=''"], False),
     "tokamax_gmm": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], False),
     "native_ragged": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false"], False),
