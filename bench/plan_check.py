@@ -6,7 +6,7 @@ each plan and estimate / measured; writes the rows (with this command) to --out;
 off by more than the plan's tolerance (15%), and says which are off by more than 5%.
 
     python bench/plan_check.py [--paths temoe_fp8,stock_best@5] [--results bench/results/proxy_1gpu.json]
-    python bench/plan_check.py --measure --paths temoe_fp8_experts64,temoe_fp8_batch4 --out plan_check.json  # GPU
+    python bench/plan_check.py --measure --paths temoe_fp8_experts64,temoe_fp8_batch4 --out plan_check.measured.json  # GPU
 """
 
 from __future__ import annotations

@@ -160,9 +160,7 @@ def analyse(json_path: str) -> int:
   result = json.loads(pathlib.Path(json_path).read_text())
   for path, row in result.get("profile", {}).items():
     if row.get("trace") and "ms_per_step" not in row:
-      alone = tempfile.mkdtemp(prefix=f"trace-{path}-")  # xprof writes each trace's HLO modules beside it
-      trace = shutil.copy(os.path.join(os.path.dirname(json_path), row["trace"]), alone)
-      row.update(breakdown_fields(profiling.breakdown(trace, PROFILE_STEPS)))
+      row.update(breakdown_fields(profiling.breakdown(os.path.join(os.path.dirname(json_path), row["trace"]), PROFILE_STEPS)))
       row.pop("error", None)
       row["analysed_apart"] = True
       print(f"{path}:\n{profiling.table(row)}")

@@ -1,6 +1,6 @@
 """`temoe plan`: the per-device HBM estimate against what XLA reports for the compiled train step on
 this CPU host (tests/plan_measure.py: CPU devices have no memory_stats), against the peaks measured
-on an H200 (bench/results/proxy_1gpu*.json, plan_check.json), and its verdict and exit codes."""
+on an H200 (bench/results/proxy_1gpu*.json, plan_check.measured.json), and its verdict and exit codes."""
 
 from __future__ import annotations
 
@@ -59,8 +59,8 @@ def proxy_args(path: str) -> list[str]:
 
 
 RESULTS = ROOT / "bench" / "results"
-MEASURED = ",".join(str(RESULTS / f) for f in ("proxy_1gpu.json", "proxy_1gpu.variants.json", "plan_check.json"))
-"""The committed H200 peaks: the proxy bench's calls and plan_check's own measured runs."""
+MEASURED = ",".join(str(RESULTS / f) for f in ("proxy_1gpu.json", "proxy_1gpu.variants.json", "plan_check.measured.json"))
+"""The committed H200 peaks: the proxy bench's calls and plan_check.py --measure's (plan_check.measured.json)."""
 
 
 def h200_peaks() -> dict:
