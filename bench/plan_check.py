@@ -46,10 +46,13 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=4, help="steps per measured run")
   parser.add_argument("--timeout", type=int, default=150, help="seconds per measured run")
   parser.add_argument("--out", help="write the rows (and this command) as JSON here")
+  parser.add_argument("--smoke", action="store_true", help="the proxy's --smoke size on this CPU (no peak to compare)")
   args = parser.parse_args()
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")  # what the measured runs see, as the proxy bench's
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning here takes none of the GPU's memory
   sys.path.insert(0, str(HERE))
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
+  import training_runs  # pylint: disable=import-outside-toplevel
 
   from temoe.tools import plan  # pylint: disable=import-outside-toplevel
 
@@ -61,12 +64,15 @@ def main() -> int:
   worst, rows = 0.0, []
   for run in runs:
     if args.measure:
-      row = proxy_1gpu.measure(run, args.steps, workdir, args.timeout)
+      env = proxy_1gpu.environment(proxy_1gpu.split_name(run)[0])
+      env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+      env.update({} if preallocate is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
+      row = training_runs.measure(run, proxy_1gpu.args_of(run, args.smoke), args.steps, workdir, args.timeout, env)
       measured[run] = row.get("peak_hbm_gib")
       if not measured[run]:
-        print(f"{run}: no peak measured: {row.get('error', row)}")
+        print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")
     peak = measured.get(run)
-    maxtext_args = proxy_1gpu.args_of(run)
+    maxtext_args = proxy_1gpu.args_of(run, args.smoke)
     p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
     print(plan.table(p))
     estimate = p.estimate.peak / 2**30

@@ -47,3 +47,15 @@ def test_small_model_trains_each_path_on_the_learnable_stream_and_profiles(tmp_p
   assert profiled["ms_per_step"]["experts"] > 0 and sum(profiled["ms_per_step"].values()) == pytest.approx(profiled["step_ms"])
   assert (tmp_path / profiled["trace"]).stat().st_size > 0
   assert result["profile_difference"] is None  # one path profiled
+
+
+def test_plan_check_measures_and_plans_each_run(tmp_path):
+  """On CPU the run trains but reports no peak (no memory_stats): planned, and said so (exit 2)."""
+  out = tmp_path / "rows.json"
+  done = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--measure", "--smoke", "--paths",
+                         "temoe_fp8@2", "--steps", "4", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                        cwd=ROOT)
+  assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
+  assert "temoe_fp8@2: no peak measured: this device reports no memory_stats" in done.stdout
+  (row,) = json.loads(out.read_text())["rows"]
+  assert row["path"] == "temoe_fp8@2" and row["estimate_gib"] > 0 and row["measured_gib"] is None
