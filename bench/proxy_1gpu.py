@@ -6,7 +6,8 @@ GEMMs on temoe's sync-free Hopper kernels, MaxText's TE FP8 for the dense GEMMs)
 fastest stock MaxText we know on the same GPU: the same model and settings (cuDNN attention, MaxText's
 TE FP8 for the dense GEMMs, the same remat) with MaxText's own tokamax grouped GEMM instead of temoe's
 block. The other paths take one setting away or swap one part, so each setting's gain is measured in
-the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_fp8_te` (FP8 expert
+the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_fp8_blockwise` (FP8 with
+DeepSeek-V3's block scales), `temoe_fp8_te` (FP8 expert
 GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s container profile),
 `temoe_fp8_graphs` (XLA's command-buffer list, i.e. CUDA graphs, set explicitly without CONDITIONAL;
 every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`,
@@ -81,6 +82,7 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8": (SHIPPED, [], False),
     "stock_best": (SHIPPED, STOCK_MOE, False),
     "temoe_bf16_moe": (SHIPPED, ["te_gmm_quantization=te_no_quant"], False),
+    "temoe_fp8_blockwise": (SHIPPED, ["te_gmm_quantization=te_fp8_blockwise"], False),
     "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
     "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
