@@ -603,10 +603,11 @@ def host_offload(job: Job, gpu, tokens, act, layer_compute) -> list[Collective]:
 
   shapes = act_model.Shapes(tokens=int(tokens), batch=1, seq=c.max_target_length, emb=c.emb_dim,
                             tp=job.size(TENSOR_AXES), ep=job.size(("expert",)), act=act)
+  policy = act_model.remat_policy(c)
   total = 0.0
   for moe, count in ((False, c.num_decoder_layers - moe_layers(c)), (True, moe_layers(c))):
-    named = act_model.named_tensors(c, shapes, moe, int(tokens * c.num_experts_per_tok))
-    total += count * sum(named.get(n, 0) for n in offloaded) * act
+    tensors = act_model.layer_tensors(c, shapes, moe, int(tokens * c.num_experts_per_tok), "temoe")
+    total += count * sum(t.elements for t in tensors if act_model.kept(policy, t, c) == "host") * act
   moved = 2 * total
   seconds = moved / (gpu.host_gbps * 1e9 * LINK_EFFICIENCY["host"])
   return [Collective("host offload (D2H + H2D)", moved, 1, "host", seconds, max(0.0, seconds - layer_compute),
