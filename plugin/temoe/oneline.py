@@ -28,6 +28,31 @@ def first_line(exc: BaseException, limit: int = 400) -> str:
   return f"{type(exc).__name__}: {text.splitlines()[0][:limit]}" if text else type(exc).__name__
 
 
+def chain(exc: BaseException | None):
+  """`exc` and its causes/contexts, outermost first."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    yield exc
+    exc = exc.__cause__ or exc.__context__
+
+
+def root_cause(exc: BaseException) -> BaseException:
+  """The innermost exception of `exc`'s chain (Orbax wraps TensorStore's real error, e.g. a digest mismatch)."""
+  return list(chain(exc))[-1]
+
+
+def quiet_background_errors() -> None:
+  """Unless tracebacks are wanted: errors that background threads and C callbacks would print as
+  tracebacks (Orbax's aborted commits and loads after a failure temoe reports itself) print nothing."""
+  if debug():
+    return
+  import threading  # pylint: disable=import-outside-toplevel
+
+  sys.excepthook = lambda *args: None  # C extensions' PyErr_Print in callbacks ends here
+  threading.excepthook = lambda args: None
+
+
 def print_traceback(exc: BaseException) -> None:
   """The traceback of `exc`, when tracebacks are wanted."""
   if debug():
