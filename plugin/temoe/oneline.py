@@ -44,13 +44,24 @@ def root_cause(exc: BaseException) -> BaseException:
 
 def quiet_background_errors() -> None:
   """Unless tracebacks are wanted: errors that background threads and C callbacks would print as
-  tracebacks (Orbax's aborted commits and loads after a failure temoe reports itself) print nothing."""
+  tracebacks (Orbax's aborted commits and loads after a failure temoe reports itself) print nothing,
+  and a logged error keeps its message line without the traceback."""
   if debug():
     return
   import threading  # pylint: disable=import-outside-toplevel
 
+  import logging  # pylint: disable=import-outside-toplevel
+
   sys.excepthook = lambda *args: None  # C extensions' PyErr_Print in callbacks ends here
   threading.excepthook = lambda args: None
+  make_record = logging.getLogRecordFactory()
+
+  def record_without_traceback(*args, **kwargs):  # asyncio's "exception was never retrieved", Orbax's errors
+    record = make_record(*args, **kwargs)
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return record
+
+  logging.setLogRecordFactory(record_without_traceback)
 
 
 def print_traceback(exc: BaseException) -> None:

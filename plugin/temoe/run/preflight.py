@@ -88,11 +88,18 @@ def release() -> None:
 
 def check_values(config) -> None:
   """Values MaxText's validation lets through and JAX fails on later, after compiling."""
-  positive = {"steps": config.steps, "per_device_batch_size": config.per_device_batch_size,
-              "max_target_length": config.max_target_length}
-  for key, value in positive.items():
-    if not value > 0:
-      raise PreflightError(f"{key}={value} must be greater than 0.")
+  check_numbers(config)
+  check_mesh(config)
+
+
+def check_numbers(config) -> None:
+  """Sizes and counts that must be positive, and the MoE routing numbers, whatever set them (YAML or argument)."""
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  for key in inputs.POSITIVE:
+    value = getattr(config, key)
+    if not 0 < value < float("inf"):
+      raise PreflightError(f"{key}={value} must be greater than 0 (and finite).")
   if config.num_experts > 1:
     if not 1 <= config.num_experts_per_tok <= config.num_experts:
       raise PreflightError(
@@ -113,7 +120,6 @@ def check_values(config) -> None:
           f"num_experts_per_tok={config.num_experts_per_tok} exceeds the experts of the topk_routing_group="
           f"{config.topk_routing_group} groups picked ({config.num_experts // groups} each)."
       )
-  check_mesh(config)
 
 
 def check_mesh(config) -> None:
