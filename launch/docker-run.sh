@@ -33,15 +33,18 @@ image=$1
 shift
 restarts=0
 stopping=0
+pid=
+trap 'stopping=1; interrupted=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null' TERM INT
 while :; do
   docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" &
   pid=$!
-  trap 'stopping=1; kill -TERM "$pid" 2>/dev/null' TERM INT
   while :; do
+    interrupted=0
     status=0
     wait "$pid" || status=$?
-    kill -0 "$pid" 2>/dev/null || break  # a trapped signal ended the wait, not docker: wait again
+    [ "$interrupted" -eq 1 ] && [ "$status" -gt 128 ] || break  # else a trapped signal ended the wait, not docker
   done
+  pid=
   if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ] || [ "$restarts" -ge "$max_restarts" ]; then
     exit "$status"
   fi

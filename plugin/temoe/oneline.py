@@ -79,13 +79,16 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def guarded(prog: str):
   """Decorates a command's `main(argv) -> int`: an exception it did not expect ends as one line
-  (`<prog>: Type: message`) and exit 2 instead of a traceback; Ctrl-C as one line and 130."""
+  (`<prog>: Type: message`) and exit 2 instead of a traceback; Ctrl-C as one line and 130; argparse's
+  exit becomes the return value."""
 
   def wrap(main):
     @functools.wraps(main)
     def run(*args, **kwargs):
       try:
         return main(*args, **kwargs)
+      except SystemExit as exc:  # argparse's usage error (its one line printed) or --help
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else exits.NEEDS_PERSON)
       except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -43,9 +43,23 @@ STAND_IN = """#!{python}
 import json, os, signal, sys, time
 with open({log!r}, 'a') as f:
   f.write(json.dumps({{'tool': {name!r}, 'argv': sys.argv[1:], 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')
-if {name!r} != 'scontrol' and os.environ.get('FAKE_UNTIL_TERM'):  # a run that checkpoints on SIGTERM, then exits 75
-  signal.signal(signal.SIGTERM, lambda *_: sys.exit(75))
-  open(os.environ['FAKE_UNTIL_TERM'], 'w').close()
+waiting = os.environ.get('FAKE_UNTIL_TERM')
+if {name!r} == 'scancel' and waiting:  # Slurm signals the job's tasks (a stand-in srun: SIGUSR1, below)
+  os.kill(int(open(waiting).read()), signal.SIGUSR1)
+elif {name!r} in ('srun', 'docker') and waiting:
+  def exit_with(code):  # the first signal decides; a second one (a group's and a trap's) changes nothing
+    def handle(*_):
+      for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+      sys.exit(code)
+    return handle
+  if {name!r} == 'srun':  # as srun does: a SIGTERM to srun itself kills the tasks at once
+    signal.signal(signal.SIGTERM, exit_with(137))
+    signal.signal(signal.SIGUSR1, exit_with(75))  # the tasks got SIGTERM: they save and exit 75
+  else:  # docker run passes a SIGTERM to the container, which saves and exits 75
+    signal.signal(signal.SIGTERM, exit_with(75))
+  with open(waiting, 'w') as f:
+    f.write(str(os.getpid()))
   time.sleep(60)
   sys.exit(1)
 sys.exit(int(os.environ.get('FAKE_RC', '0')))
@@ -54,11 +68,12 @@ sys.exit(int(os.environ.get('FAKE_RC', '0')))
 
 @pytest.fixture
 def recorder(tmp_path):
-  """A bin/ of stand-ins (srun, scontrol, docker) that log argv and TEMOE_NASTY; exit $FAKE_RC, or with
-  FAKE_UNTIL_TERM=<file> touch that file and wait for a SIGTERM, then exit 75 as a preempted run does."""
+  """A bin/ of stand-ins (srun, scontrol, scancel, docker) that log argv and TEMOE_NASTY and exit $FAKE_RC;
+  with FAKE_UNTIL_TERM=<file>, a run that waits for its stop: srun exits 75 when `scancel --signal` reaches its
+  tasks and 137 on a SIGTERM of its own (srun kills the tasks), docker exits 75 on SIGTERM."""
   bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
   bin_dir.mkdir()
-  for name in ("srun", "scontrol", "docker"):
+  for name in ("srun", "scontrol", "scancel", "docker"):
     tool = bin_dir / name
     tool.write_text(STAND_IN.format(python=sys.executable, log=str(log), name=name))
     tool.chmod(0o755)
@@ -73,13 +88,13 @@ def recorder(tmp_path):
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", **env}
     if signal_after_start is not None:
       full["FAKE_UNTIL_TERM"] = str(started)
-    with subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=full) as proc:
+    with subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=full, start_new_session=True) as proc:
       if signal_after_start is not None:
         deadline = time.monotonic() + 30
-        while not started.exists() and time.monotonic() < deadline:
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
           time.sleep(0.02)
         time.sleep(0.1)  # the script is in its wait
-        proc.send_signal(signal_after_start)
+        os.killpg(proc.pid, signal_after_start)  # the script's process group, as a terminal or a kill -- -PGID
       rc = proc.wait(60)
     started.unlink(missing_ok=True)
     calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
@@ -133,12 +148,13 @@ def test_slurm_requeues_only_the_requeue_code_until_max_restarts(recorder):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_slurm_script_passes_a_signal_to_srun_and_requeues_the_saved_run(recorder, sig):
-  """scancel or a preemption signals the batch script: it must reach the tasks (the stand-in srun exits 75
-  only on SIGTERM), and the script requeue the job, instead of dying with 143 as bash does by default."""
+def test_slurm_script_passes_a_signal_to_the_tasks_and_requeues_the_saved_run(recorder, sig):
+  """A signal to the batch script's process group must reach the tasks through Slurm (scancel --signal),
+  not srun (which would kill them: the stand-in exits 137), and the script requeue the job instead of
+  dying with 143 as bash does by default."""
   rc, calls = recorder(launch.sbatch_script(job(max_restarts=1)), signal_after_start=sig, SLURM_RESTART_COUNT="0")
-  assert rc == exits.REQUEUE and [(c["tool"], c["argv"][:1]) for c in calls] == [("srun", calls[0]["argv"][:1]),
-                                                                                 ("scontrol", ["requeue"])]
+  assert rc == exits.REQUEUE, calls
+  assert [(c["tool"], c["argv"][:1]) for c in calls[1:]] == [("scancel", ["--signal=TERM"]), ("scontrol", ["requeue"])]
 
 
 def test_slurm_submit_calls_sbatch(tmp_path, recorder, monkeypatch, capsys):

@@ -227,14 +227,18 @@ def check_output_dir(base_output_directory: str, run_name: str) -> None:
 
 
 def check_writable_dir(path: str, what: str) -> None:
-  """`path` (local) is a directory this process can create files in: a probe file is made and removed."""
+  """`path` (local) is, or can be made as, a directory this process can create files in: a probe file
+  is made and removed in it, or in the nearest directory above it that exists (nothing is left)."""
   if "://" in path:
     return
-  probe = os.path.join(path, f".temoe-probe-{os.getpid()}")
+  local = os.path.normpath(path)  # "a-file/" would not exist, and makedirs would then fail with EEXIST
+  existing = local
+  while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  probe = os.path.join(existing, f".temoe-probe-{os.getpid()}")
   try:
-    if os.path.exists(path) and not os.path.isdir(path):
+    if not os.path.isdir(existing):
       raise NotADirectoryError(20, "Not a directory")
-    os.makedirs(path, exist_ok=True)
     with open(probe, "w", encoding="utf-8"):
       pass
     os.unlink(probe)

@@ -179,13 +179,19 @@ def main(argv: list[str] | None = None) -> int:
   except inputs.InputError as exc:
     print(f"temoe flops: {exc}", file=sys.stderr)
     return 2
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
   from temoe.run import preflight  # pylint: disable=import-outside-toplevel
 
-  config = introspect.initialize_config(["flops", *argv])
   try:
+    failures.install_quiet_config_errors()
+    config = introspect.initialize_config(["flops", *argv])
     preflight.check_numbers(config)  # a negative batch would count negative FLOPs
-  except preflight.PreflightError as exc:
-    print(f"temoe flops: {exc}", file=sys.stderr)
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    message = cli.config_error_message(exc)
+    if message is None:
+      raise
+    print(f"temoe flops: {message}", file=sys.stderr)
     return 2
   print(json.dumps(summary(config, gpu=gpu), indent=1))
   return 0
