@@ -57,6 +57,8 @@ def training_failure(exc: BaseException) -> tuple[str, int, bool]:
     code = exits.REQUEUE if failures.is_transient(err) else exits.NEEDS_PERSON
     return (f"training failed {where}: a write failed ({err.strerror}{': ' + str(err.filename) if err.filename else ''})",
             code, False)
+  if any(str(link).startswith("Requested training up to step") for link in oneline.chain(exc)):  # MaxText's own
+    return f"the run has finished: {oneline.first_line(exc).split(': ', 1)[1].split(' Did you mean')[0]}", exits.DONE, False
   peer = lost_peer(exc)
   if peer:
     return (f"training failed {where}: {peer} (a lost peer or link; exit {exits.REQUEUE}: a requeue resumes from the "
@@ -82,12 +84,22 @@ def train(maxtext_args: list[str]) -> int:
   if not maxtext_args or not maxtext_args[0].endswith((".yml", ".yaml")):
     print(f"temoe: usage: {TRAIN_USAGE}", file=sys.stderr)
     return exits.NEEDS_PERSON
-  import temoe  # pylint: disable=import-outside-toplevel
   import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (MaxText's asset root, first)
-  from temoe.run import distributed, inputs, preemption, preflight  # pylint: disable=import-outside-toplevel
+  from temoe.run import preemption, preflight  # pylint: disable=import-outside-toplevel
 
   preemption.install()  # a SIGTERM/SIGINT from here to the first step stops at once; later, after a step
   preemption.on_exit(preflight.release)
+  try:
+    return run_training(maxtext_args)
+  finally:
+    preemption.uninstall()
+
+
+def run_training(maxtext_args: list[str]) -> int:
+  """`train` past its usage check, with temoe's SIGTERM/SIGINT handling installed."""
+  import temoe  # pylint: disable=import-outside-toplevel
+  from temoe.run import distributed, inputs, preflight  # pylint: disable=import-outside-toplevel
+
   try:
     inputs.check_config_file(maxtext_args[0])
     inputs.check_settings(maxtext_args[1:], TRAIN_USAGE)

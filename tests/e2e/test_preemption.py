@@ -41,7 +41,7 @@ def random_trials(kinds: tuple[str, ...], seed: int) -> list[tuple[str, int]]:
 
 
 ONE = random_trials(tuple(MOMENTS), 1) if TRIALS else [("compile", 1), ("an async save", 2)]
-TWO = random_trials(("compile", "a step", "an async save"), 2) if TRIALS else [("an async save", 2)]
+TWO = random_trials(tuple(MOMENTS), 2) if TRIALS else [("an async save", 2)]
 
 
 def flags(async_checkpointing: str) -> tuple[str, ...]:

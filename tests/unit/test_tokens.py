@@ -88,3 +88,13 @@ def test_past_its_budget_the_scan_reads_only_row_groups_whose_statistics_condemn
   tokens.check(config, budget=65 * 64)  # statistics pass every later row group: not read
   with pytest.raises(tokens.TokenError, match=r"holds 3 token ids, fewer than max_target_length=64"):
     tokens.check(config)  # read in full: row 449's length is seen (no statistics hold it)
+
+
+def test_short_rows_pass_when_packed_or_allowed(tmp_path):
+  rows = [list(row) for row in data.markov_tokens(8, 65, 256)]
+  rows[2] = rows[2][:5]
+  path = write(tmp_path / "short.parquet", rows)
+  with pytest.raises(tokens.TokenError, match=r"row 2 \(0-based\) holds 5 token ids, fewer than max_target_length=64"):
+    tokens.check(maxtext_config(f"grain_train_files={path}"))
+  tokens.check(maxtext_config(f"grain_train_files={path}", "te_allow_short_rows=true"))
+  tokens.check(maxtext_config(f"grain_train_files={path}", "packing=true"))

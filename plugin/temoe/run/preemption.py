@@ -29,21 +29,33 @@ from temoe import exits
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _lock = threading.Lock()  # held while the watcher decides to exit, and while training starts
-_state: dict = {"received": None, "training": False, "installed": False}
+_state: dict = {"received": None, "training": False, "installed": None}  # installed: what uninstall() restores
 _on_exit: list = []  # callables run before an exit before the first step (the run lock's release)
 
 
 def install() -> None:
-  """Takes over SIGTERM and SIGINT for this process (the main thread; once)."""
+  """Takes over SIGTERM and SIGINT for this process (from the main thread) until `uninstall()`."""
   if _state["installed"]:
     return
   read_fd, write_fd = os.pipe()
   os.set_blocking(write_fd, False)
-  for signum in SIGNALS:
-    signal.signal(signum, _handler)
-  signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+  previous = {signum: signal.signal(signum, _handler) for signum in SIGNALS}
+  wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
   threading.Thread(target=_watch, args=(read_fd,), name="temoe-preemption", daemon=True).start()
-  _state["installed"] = True
+  _state.update(installed=(previous, wakeup, write_fd), received=None, training=False)
+
+
+def uninstall() -> None:
+  """Gives the signals back as they were (a command that trained in-process, `temoe profile`, goes on)."""
+  if not _state["installed"]:
+    return
+  previous, wakeup, write_fd = _state["installed"]
+  for signum, handler in previous.items():
+    signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+  signal.set_wakeup_fd(wakeup)
+  os.close(write_fd)  # the watcher reads EOF and ends
+  _on_exit.clear()
+  _state.update(installed=None, received=None, training=False)
 
 
 def on_exit(callback) -> None:
@@ -70,6 +82,9 @@ def _watch(read_fd: int) -> None:
     try:
       data = os.read(read_fd, 64)
     except OSError:
+      data = b""
+    if not data:  # uninstall() closed the pipe
+      os.close(read_fd)
       return
     if not any(b in SIGNALS for b in data):
       continue
