@@ -9,9 +9,16 @@
 #       hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 base_output_directory=/runs
 #
 # `temoe launch docker` reads the TEMOE_DOCKER_FLAGS line below: edit it here, both follow.
+#
+# Exit codes (temoe.exits): a run that exits 75 (preempted after a checkpoint, a transient fault) is started
+# again, at most TEMOE_MAX_RESTARTS times (default 3), and resumes from its last checkpoint; any other code
+# ends it. SIGTERM/SIGINT to this script go to the container (docker run passes them on), which checkpoints
+# its step within TEMOE_STOP_TIMEOUT seconds (default 300, `docker stop`'s wait) and is not started again.
 set -euo pipefail
 
 TEMOE_DOCKER_FLAGS=(--gpus all --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864:67108864)
+max_restarts=${TEMOE_MAX_RESTARTS:-3}
+stop_timeout=${TEMOE_STOP_TIMEOUT:-300}
 
 options=()
 while [ $# -gt 0 ]; do
@@ -24,4 +31,23 @@ done
 [ $# -ge 1 ] || { echo "usage: launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] IMAGE [COMMAND ...]" >&2; exit 2; }
 image=$1
 shift
-exec docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" "$image" "$@"
+restarts=0
+stopping=0
+pid=
+trap 'stopping=1; interrupted=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null' TERM INT
+while :; do
+  docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" &
+  pid=$!
+  while :; do
+    interrupted=0
+    status=0
+    wait "$pid" || status=$?
+    [ "$interrupted" -eq 1 ] && [ "$status" -gt 128 ] || break  # else a trapped signal ended the wait, not docker
+  done
+  pid=
+  if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ] || [ "$restarts" -ge "$max_restarts" ]; then
+    exit "$status"
+  fi
+  restarts=$((restarts + 1))
+  echo "docker-run.sh: exit 75 (requeue): starting the container again (restart $restarts of $max_restarts)" >&2
+done

@@ -20,6 +20,7 @@ _OUTPUT = tempfile.mkdtemp(prefix="temoe-tests-")  # this process's own: concurr
 def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
   """A MaxText HyperParameters for `config` plus `key=value` overrides, through temoe's schema."""
   import temoe  # pylint: disable=import-outside-toplevel
+  import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (MaxText's asset root, first)
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
   temoe.register()
@@ -40,6 +41,16 @@ def smoke_data(tmp_path_factory) -> str:
   from temoe.run import data  # pylint: disable=import-outside-toplevel
 
   return data.write_parquet(str(tmp_path_factory.mktemp("data") / "smoke-train.parquet"))
+
+
+@pytest.fixture(scope="session")
+def smoke_reference(tmp_path_factory, smoke_data) -> dict[int, float]:
+  """{step: loss} of one uninterrupted 32-step smoke run (no checkpoints): the trajectory a stopped and
+  resumed run must continue exactly (tests/e2e/test_resume.py, test_preemption.py)."""
+  import runs  # pylint: disable=import-outside-toplevel
+
+  base = tmp_path_factory.mktemp("uninterrupted")
+  return runs.train(base, smoke_data, "ref", "ref.jsonl", "steps=32", "enable_checkpointing=false")[0]
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
+import re
 import signal
 import subprocess
 import sys
@@ -25,10 +27,40 @@ def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: s
   ]
 
 
-def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> subprocess.Popen:
-  """Starts a run; its stdout and stderr go to <base>/<metrics>.log."""
-  log = open(base / f"{metrics}.log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(command(base, data, run, metrics, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, env: dict | None = None,
+          log_name: str | None = None) -> subprocess.Popen:
+  """Starts a run; its stdout and stderr go to <base>/<metrics>.log (or <base>/<log_name>)."""
+  log = open(base / (log_name or f"{metrics}.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  return subprocess.Popen(command(base, data, run, metrics, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          env={**os.environ, **(env or {})})
+
+
+def start_group(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str,
+                processes: int = 2) -> list[subprocess.Popen]:
+  """Starts one run as `processes` processes joined by jax.distributed, with the variables srun gives each
+  task (JAX's Slurm detection: coordinator on localhost, a port from the job id); logs <metrics>.<i>.log."""
+  job = str(random.randrange(10_000, 1_000_000))
+  return [start(base, data, run, metrics, *overrides, log_name=f"{metrics}.{rank}.log", env={
+      "SLURM_JOB_ID": job, "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": str(processes),
+      "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}) for rank in range(processes)]
+
+
+def signal_at(proc: subprocess.Popen, log: pathlib.Path, pattern: str, nth: int = 1, sig: int = signal.SIGTERM,
+              timeout: float = 300) -> str | None:
+  """Sends `sig` to `proc` as soon as `log` holds the `nth` line matching `pattern`; returns that line
+  (None if the run ended first)."""
+  deadline, found = time.monotonic() + timeout, re.compile(pattern)
+  while time.monotonic() < deadline:
+    text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+    hits = [line for line in text.splitlines() if found.search(line)]
+    if len(hits) >= nth:
+      if proc.poll() is None:
+        os.kill(proc.pid, sig)
+      return hits[nth - 1]
+    if proc.poll() is not None:
+      return None
+    time.sleep(0.002)
+  return None
 
 
 def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, timeout: int = 600):

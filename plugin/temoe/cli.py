@@ -6,7 +6,11 @@ and runs MaxText's own trainer after `register()`; every other subcommand lives 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import warnings
+
+from temoe import exits, oneline
 
 SUBCOMMANDS = {
     "data": ("temoe.run.data", "write the learnable token stream the CPU configs train on"),
@@ -38,44 +42,62 @@ def config_error_message(exc: BaseException) -> str | None:
   return inputs.unknown_key(exc)
 
 
-def first_line(exc: BaseException) -> str:
-  text = str(exc).strip()
-  return f"{type(exc).__name__}: {text.splitlines()[0][:400]}" if text else type(exc).__name__
-
-
-def chain(exc: BaseException | None):
-  """`exc` and its causes/contexts, outermost first."""
-  seen = set()
-  while exc is not None and id(exc) not in seen:
-    seen.add(id(exc))
-    yield exc
-    exc = exc.__cause__ or exc.__context__
-
-
-def training_failure(exc: BaseException) -> tuple[str, bool]:
-  """(the one line for an exception raised while MaxText trained, whether its traceback helps)."""
+def training_failure(exc: BaseException) -> tuple[str, int, bool]:
+  """(the one line for an exception raised while MaxText trained, the exit code, whether it is one temoe
+  does not know, so its traceback is what a bug report needs)."""
   from temoe.maxtext import checkpointing, failures  # pylint: disable=import-outside-toplevel
 
-  for link in chain(exc):
+  for link in oneline.chain(exc):
     if isinstance(link, failures.TrainingStopped):
-      return str(link), False
+      return str(link), link.exit_code, False
   step = failures.progress.get("step")
   where = f"at step {step} of {failures.progress['steps']}" if step is not None else "before its first step"
   err = checkpointing.write_error(exc)
   if err is not None:
-    return f"training failed {where}: a write failed ({err.strerror}{': ' + str(err.filename) if err.filename else ''})", False
-  return f"training failed {where}: {first_line(exc)}", True
+    code = exits.REQUEUE if failures.is_transient(err) else exits.NEEDS_PERSON
+    return (f"training failed {where}: a write failed ({err.strerror}{': ' + str(err.filename) if err.filename else ''})",
+            code, False)
+  if any(str(link).startswith("Requested training up to step") for link in oneline.chain(exc)):  # MaxText's own
+    return f"the run has finished: {oneline.first_line(exc).split(': ', 1)[1].split(' Did you mean')[0]}", exits.DONE, False
+  peer = lost_peer(exc)
+  if peer:
+    return (f"training failed {where}: {peer} (a lost peer or link; exit {exits.REQUEUE}: a requeue resumes from the "
+            "latest checkpoint)", exits.REQUEUE, False)
+  return f"training failed {where}: {oneline.first_line(exc)}", exits.FAILED, True
+
+
+LOST_PEER = ("DEADLINE_EXCEEDED", "UNAVAILABLE:", "Connection reset by peer", "Connection closed by peer",
+             "heartbeat timeout", "detected fatal errors", "Gloo")
+"""What JAX's coordination service, gRPC and the CPU collectives say when another process of the job is gone."""
+
+
+def lost_peer(exc: BaseException) -> str | None:
+  """The first line of the error in `exc`'s chain that says a peer process or link was lost, or None."""
+  for link in oneline.chain(exc):
+    if any(marker in str(link) for marker in LOST_PEER):
+      return oneline.first_line(link)
+  return None
 
 
 def train(maxtext_args: list[str]) -> int:
-  """Runs MaxText's pre-training loop with temoe registered: 0 when every step ran, 1 when not, 2 on bad input."""
+  """Runs MaxText's pre-training loop with temoe registered; the exit code is `temoe.exits`'s."""
   if not maxtext_args or not maxtext_args[0].endswith((".yml", ".yaml")):
-    print(f"usage: {TRAIN_USAGE}", file=sys.stderr)
-    return 2
-  import traceback  # pylint: disable=import-outside-toplevel
-
-  import temoe  # pylint: disable=import-outside-toplevel
+    print(f"temoe: usage: {TRAIN_USAGE}", file=sys.stderr)
+    return exits.NEEDS_PERSON
   import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (MaxText's asset root, first)
+  from temoe.run import preemption, preflight  # pylint: disable=import-outside-toplevel
+
+  preemption.install()  # a SIGTERM/SIGINT from here to the first step stops at once; later, after a step
+  preemption.on_exit(preflight.release)
+  try:
+    return run_training(maxtext_args)
+  finally:
+    preemption.uninstall()
+
+
+def run_training(maxtext_args: list[str]) -> int:
+  """`train` past its usage check, with temoe's SIGTERM/SIGINT handling installed."""
+  import temoe  # pylint: disable=import-outside-toplevel
   from temoe.run import distributed, inputs, preflight  # pylint: disable=import-outside-toplevel
 
   try:
@@ -83,58 +105,80 @@ def train(maxtext_args: list[str]) -> int:
     inputs.check_settings(maxtext_args[1:], TRAIN_USAGE)
   except inputs.InputError as exc:
     print(f"temoe: {exc}", file=sys.stderr)
-    return 2
+    return exits.NEEDS_PERSON
   distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
-    from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
+    from temoe.maxtext import batches, failures  # pylint: disable=import-outside-toplevel
 
     failures.install_quiet_config_errors()
     failures.install_train_loop()
-    preflight.check(maxtext_args, lock_run=True)  # values, data, disk, run lock, latest checkpoint: before compiling
+    config = preflight.check(maxtext_args, lock_run=True)  # values, data, disk, lock, latest checkpoint: before compiling
+    batches.install(config)  # every batch's token ids, on the host
+  except preflight.RunFinished as exc:
+    preflight.release()
+    print(f"temoe: {exc}", file=sys.stderr)
+    return exits.DONE
   except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     preflight.release()
-    print(f"temoe: {config_error_message(exc) or first_line(exc)}", file=sys.stderr)
-    return 2
+    message = config_error_message(exc)
+    if message is None:
+      oneline.print_traceback(exc)
+    print(f"temoe: {message or oneline.first_line(exc)}", file=sys.stderr)
+    return exits.NEEDS_PERSON
+  oneline.quiet_background_errors()
   try:
     from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
     introspect.train(["temoe train", *maxtext_args])
   except SystemExit as exc:
-    code = int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    code = int(exc.code or 0) if not isinstance(exc.code, str) else exits.FAILED
     if code:
       print(f"temoe: training exited with code {code}{': ' + exc.code if isinstance(exc.code, str) else ''}",
             file=sys.stderr)
     return code
   except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
-    line, show_traceback = training_failure(exc)
-    if show_traceback:
-      traceback.print_exc()
+    line, code, unknown = training_failure(exc)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)  # Orbax's
+    oneline.print_traceback(exc)
+    if unknown:
+      line += f" ({oneline.DEBUG_HINT})"
     print(f"temoe: {line}", file=sys.stderr, flush=True)
-    return 1
+    if lost_peer(exc):  # jax.distributed's shutdown at exit would wait for the lost peer, then abort
+      preflight.release()
+      sys.stdout.flush()
+      os._exit(code)  # pylint: disable=protected-access
+    return code
   finally:
     preflight.release()
-  return 0
+  return exits.DONE
 
 
 def usage() -> str:
-  lines = ["usage: temoe <command> [args]", "", "  train     run MaxText's trainer with temoe: temoe train <config.yml> key=value ..."]
+  lines = ["usage: temoe [--debug] <command> [args]   (--debug or TEMOE_DEBUG=1: print tracebacks)", "", "  train     run MaxText's trainer with temoe: temoe train <config.yml> key=value ..."]
   lines += [f"  {name:<9} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
   return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
+  """`temoe [--debug] <command> ...`; --debug (anywhere) sets TEMOE_DEBUG=1: tracebacks are printed."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--debug" in argv:
+    argv.remove("--debug")
+    os.environ[oneline.DEBUG_ENV] = "1"
   if not argv or argv[0] in ("-h", "--help", "help"):
     print(usage())
-    return 0 if argv else 2
+    if not argv:
+      print(f"temoe: no command given; valid commands: train, {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    return exits.DONE if argv else exits.NEEDS_PERSON
   command, rest = argv[0], argv[1:]
   if command == "train":  # everything after `train` belongs to MaxText, untouched
-    return train(rest)
+    return oneline.guarded("temoe")(train)(rest)
   if command not in SUBCOMMANDS:
     print(f"temoe: unknown command {command!r}; valid commands: train, {', '.join(SUBCOMMANDS)}", file=sys.stderr)
-    return 2
-  return int(importlib.import_module(SUBCOMMANDS[command][0]).main(rest) or 0)
+    return exits.NEEDS_PERSON
+  return int(oneline.guarded(f"temoe {command}")(lambda: importlib.import_module(SUBCOMMANDS[command][0]).main(rest))()
+             or 0)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,10 @@ import os
 import pathlib
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 
 import jsonschema
@@ -23,6 +25,7 @@ import pytest
 import referencing
 import yaml
 from conftest import ROOT
+from temoe import exits
 from temoe.deploy import launch
 from temoe.run import distributed
 
@@ -36,29 +39,64 @@ def job(**kw) -> launch.Job:
                        "name": "ds3", "nodes": 2, "gpus_per_node": 8, "workdir": "/lustre/jobs", **kw})
 
 
+STAND_IN = """#!{python}
+import json, os, signal, sys, time
+with open({log!r}, 'a') as f:
+  f.write(json.dumps({{'tool': {name!r}, 'argv': sys.argv[1:], 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')
+waiting = os.environ.get('FAKE_UNTIL_TERM')
+if {name!r} == 'scancel' and waiting:  # Slurm signals the job's tasks (a stand-in srun: SIGUSR1, below)
+  os.kill(int(open(waiting).read()), signal.SIGUSR1)
+elif {name!r} in ('srun', 'docker') and waiting:
+  def exit_with(code):  # the first signal decides; a second one (a group's and a trap's) changes nothing
+    def handle(*_):
+      for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+      sys.exit(code)
+    return handle
+  if {name!r} == 'srun':  # as srun does: a SIGTERM to srun itself kills the tasks at once
+    signal.signal(signal.SIGTERM, exit_with(137))
+    signal.signal(signal.SIGUSR1, exit_with(75))  # the tasks got SIGTERM: they save and exit 75
+  else:  # docker run passes a SIGTERM to the container, which saves and exits 75
+    signal.signal(signal.SIGTERM, exit_with(75))
+  with open(waiting, 'w') as f:
+    f.write(str(os.getpid()))
+  time.sleep(60)
+  sys.exit(1)
+sys.exit(int(os.environ.get('FAKE_RC', '0')))
+"""
+
+
 @pytest.fixture
 def recorder(tmp_path):
-  """A bin/ of stand-ins (srun, scontrol, docker) that log argv and TEMOE_NASTY; exit $FAKE_RC."""
+  """A bin/ of stand-ins (srun, scontrol, scancel, docker) that log argv and TEMOE_NASTY and exit $FAKE_RC;
+  with FAKE_UNTIL_TERM=<file>, a run that waits for its stop: srun exits 75 when `scancel --signal` reaches its
+  tasks and 137 on a SIGTERM of its own (srun kills the tasks), docker exits 75 on SIGTERM."""
   bin_dir, log = tmp_path / "bin", tmp_path / "calls.jsonl"
   bin_dir.mkdir()
-  for name in ("srun", "scontrol", "docker"):
+  for name in ("srun", "scontrol", "scancel", "docker"):
     tool = bin_dir / name
-    tool.write_text(
-        f"#!{sys.executable}\nimport json, os, sys\n"
-        f"with open({str(log)!r}, 'a') as f:\n"
-        f"  f.write(json.dumps({{'tool': {name!r}, 'argv': sys.argv[1:], 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')\n"
-        f"sys.exit(int(os.environ.get('FAKE_RC', '0')))\n"
-    )
+    tool.write_text(STAND_IN.format(python=sys.executable, log=str(log), name=name))
     tool.chmod(0o755)
   venv = tmp_path / "venv" / "bin"
   venv.mkdir(parents=True)
   (venv / "activate").write_text("")
 
-  def run(script: str, **env) -> tuple[int, list[dict]]:
-    path = tmp_path / "job.sh"
+  def run(script: str, signal_after_start: int | None = None, **env) -> tuple[int, list[dict]]:
+    """Runs `script` with bash; with `signal_after_start`, sends that signal to bash once the stand-in waits."""
+    path, started = tmp_path / "job.sh", tmp_path / "started"
     path.write_text(script)
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", **env}
-    rc = subprocess.run(["bash", str(path)], cwd=tmp_path, env=full, timeout=60, check=False).returncode
+    if signal_after_start is not None:
+      full["FAKE_UNTIL_TERM"] = str(started)
+    with subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=full, start_new_session=True) as proc:
+      if signal_after_start is not None:
+        deadline = time.monotonic() + 30
+        while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+          time.sleep(0.02)
+        time.sleep(0.1)  # the script is in its wait
+        os.killpg(proc.pid, signal_after_start)  # the script's process group, as a terminal or a kill -- -PGID
+      rc = proc.wait(60)
+    started.unlink(missing_ok=True)
     calls = [json.loads(l) for l in log.read_text().splitlines()] if log.exists() else []
     log.unlink(missing_ok=True)
     assert not list(tmp_path.rglob("PWNED")), "an override was executed by a shell"
@@ -97,14 +135,26 @@ def test_slurm_virtualenv_jobs(recorder):
                                           "configs/deepseek3-671b-h100x1024.yml", *NASTY, "hardware=gpu_multiprocess"]
 
 
-def test_slurm_requeues_a_failed_run_until_max_restarts(recorder):
-  script = launch.sbatch_script(job(max_restarts=2))
-  rc, calls = recorder(script, FAKE_RC="3", SLURM_RESTART_COUNT="1")
-  assert rc == 3 and [(c["tool"], c["argv"]) for c in calls][1:] == [("scontrol", ["requeue", "7"])]
-  rc, calls = recorder(script, FAKE_RC="3", SLURM_RESTART_COUNT="2")
-  assert rc == 3 and [c["tool"] for c in calls] == ["srun"]  # out of restarts: fails for good
-  rc, calls = recorder(script, FAKE_RC="2", SLURM_RESTART_COUNT="0")
-  assert rc == 2 and [c["tool"] for c in calls] == ["srun"]  # refused before compiling: never requeued
+def test_slurm_requeues_only_the_requeue_code_until_max_restarts(recorder):
+  script = launch.sbatch_script(job(max_restarts=2, grace_seconds=120))
+  assert sbatch_options(script)["signal"] == "TERM@120"  # SIGTERM to the tasks 120 s before the time limit
+  rc, calls = recorder(script, FAKE_RC=str(exits.REQUEUE), SLURM_RESTART_COUNT="1")
+  assert rc == exits.REQUEUE and [(c["tool"], c["argv"]) for c in calls][1:] == [("scontrol", ["requeue", "7"])]
+  rc, calls = recorder(script, FAKE_RC=str(exits.REQUEUE), SLURM_RESTART_COUNT="2")
+  assert rc == exits.REQUEUE and [c["tool"] for c in calls] == ["srun"]  # out of restarts: fails for good
+  for code in (exits.NEEDS_PERSON, exits.FAILED, 3, 137):  # needs a person, unknown, killed: never requeued
+    rc, calls = recorder(script, FAKE_RC=str(code), SLURM_RESTART_COUNT="0")
+    assert rc == code and [c["tool"] for c in calls] == ["srun"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_slurm_script_passes_a_signal_to_the_tasks_and_requeues_the_saved_run(recorder, sig):
+  """A signal to the batch script's process group must reach the tasks through Slurm (scancel --signal),
+  not srun (which would kill them: the stand-in exits 137), and the script requeue the job instead of
+  dying with 143 as bash does by default."""
+  rc, calls = recorder(launch.sbatch_script(job(max_restarts=1)), signal_after_start=sig, SLURM_RESTART_COUNT="0")
+  assert rc == exits.REQUEUE, calls
+  assert [(c["tool"], c["argv"][:1]) for c in calls[1:]] == [("scancel", ["--signal=TERM"]), ("scontrol", ["requeue"])]
 
 
 def test_slurm_submit_calls_sbatch(tmp_path, recorder, monkeypatch, capsys):
@@ -123,7 +173,8 @@ def test_slurm_submit_calls_sbatch(tmp_path, recorder, monkeypatch, capsys):
 def test_docker_request_through_the_docker_sdk():
   from docker.models.containers import _create_container_args  # pylint: disable=import-outside-toplevel
 
-  kwargs = launch.docker_run_kwargs(job(nodes=1))
+  kwargs = launch.docker_run_kwargs(job(nodes=1, grace_seconds=90))
+  assert kwargs.pop("stop_timeout") == 90  # temoe's own: run_docker's `docker stop` wait (containers.run has none)
   create = _create_container_args({**kwargs, "version": "1.45"})  # what containers.run sends the engine
   host = create["host_config"]
   assert create["image"] == "nvcr.io/acme/temoe:1"
@@ -144,7 +195,8 @@ def test_docker_dry_run_line_is_copy_paste_safe(recorder, capsys):
   assert rc == 0
   assert calls[0]["argv"] == ["run", "--rm", "--name", "temoe", "-v", "/a b:/data:rw", "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}",
                               "--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1:-1",
-                              "--ulimit", "stack=67108864:67108864", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
+                              "--ulimit", "stack=67108864:67108864", "--stop-timeout", "300", "img", "train", "cfg.yml",
+                              *NASTY, "hardware=gpu"]
   assert shlex.split(line) == ["docker", *calls[0]["argv"]]
   wrapper = ["bash", str(ROOT / "launch" / "docker-run.sh"), "--name", "temoe", "-v", "/a b:/data:rw",
              "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
@@ -152,6 +204,17 @@ def test_docker_dry_run_line_is_copy_paste_safe(recorder, capsys):
   assert rc == 0 and by_hand[0]["argv"] == calls[0]["argv"]
   rc, _ = recorder(shlex.join([*wrapper[:2], "--gpus", "2", "img"]))
   assert rc == 2
+
+
+def test_docker_run_sh_starts_a_requeued_run_again_up_to_its_bound(recorder):
+  wrapper = "exec " + shlex.join(["bash", str(ROOT / "launch" / "docker-run.sh"), "img", "train", "cfg.yml"])
+  rc, calls = recorder(wrapper, FAKE_RC=str(exits.REQUEUE), TEMOE_MAX_RESTARTS="2")
+  assert rc == exits.REQUEUE and [c["tool"] for c in calls] == ["docker"] * 3  # the first run and 2 restarts
+  for code in (0, exits.NEEDS_PERSON, exits.FAILED):
+    rc, calls = recorder(wrapper, FAKE_RC=str(code))
+    assert rc == code and len(calls) == 1
+  rc, calls = recorder(wrapper, signal_after_start=signal.SIGTERM)  # `docker stop`-like: saved, not started again
+  assert rc == exits.REQUEUE and len(calls) == 1
 
 
 def test_launchers_render_from_the_top_level_launch_folder():
@@ -217,6 +280,14 @@ def test_jobset_manifest_is_valid_and_passes_overrides_verbatim():
   assert [unescape(a) for a in container["args"]] == ["train", "configs/deepseek3-671b-h100x1024.yml", *NASTY,
                                                       "hardware=gpu"]
   assert "$(touch" not in " ".join(container["args"]).replace("$$(", "")
+  assert pod["terminationGracePeriodSeconds"] == 300  # SIGTERM to the kill: the run checkpoints its step
+  rules = spec["podFailurePolicy"]["rules"]
+  assert rules[0] == {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget"}]}  # evicted: restart
+  assert rules[1] == {"action": "FailJob", "onExitCodes": {"containerName": "temoe", "operator": "NotIn",
+                                                           "values": [exits.REQUEUE]}}
+  assert manifest["spec"]["failurePolicy"] == {  # exit 75 (BackoffLimitExceeded): restart; others fail for good
+      "maxRestarts": 3, "rules": [{"name": "needsAPerson", "action": "FailJobSet",
+                                   "onJobFailureReasons": ["PodFailurePolicy"]}]}
   env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
   assert env["JAX_COORDINATOR_IP"] == "ds3-workers-0-0.ds3" and env["NNODES"] == "2"
   assert env["NODE_RANK"] == {"fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
@@ -273,6 +344,15 @@ BAD_JOBS = [  # argv -> the one line `temoe launch` prints (exit 2), before anyt
      "--name 'a b': letters, digits, '_', '.' and '-', starting with a letter or digit"),
     (["slurm", "--image", "i", "--venv", "/v", "c.yml"],
      "--venv is for `temoe launch slurm` without --image; with an image the job runs in it"),
+    *[([launcher, "--image", "i", "--env", f"{key}=3", "c.yml"],
+       f"--env {key}: `temoe launch {launcher}` sets {key} itself (the job's process layout); it cannot be overridden")
+      for launcher, key in (("k8s", "NODE_RANK"), ("k8s", "JAX_COORDINATOR_IP"), ("k8s", "NNODES"),
+                            ("slurm", "SLURM_PROCID"), ("slurm", "JAX_COORDINATOR_ADDRESS"))],
+    *[([launcher, "--image", "i", "--grace-seconds", "0", "c.yml"], "--grace-seconds 0: must be between 1 and 86400 "
+       "(the time a run gets to save its step between SIGTERM and the kill)") for launcher in ("slurm", "k8s")],
+    (["slurm", "--submit", "--workdir", "/proc/no-such-dir", "c.yml"],
+     "--workdir /proc/no-such-dir: cannot write the job script there (No such file or directory); pass a directory "
+     "this user can write (it also holds the job's log)"),
 ]
 
 

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
+import faults
 import runs
 from conftest import SMOKE
 from temoe import cli
-
-from temoe.run import preflight
+from temoe.run import checksums, preflight
 
 SAVED = 5
 CHECKPOINTING = ("enable_checkpointing=true", f"checkpoint_period={SAVED}", "save_checkpoint_on_completion=false")
@@ -96,7 +96,7 @@ def test_corrupt_latest_checkpoint(checkpointed, case, smoke_data):
   message = preflight_error(f"base_output_directory={checkpointed.parent}", f"run_name={run}",
                             f"grain_train_files={smoke_data}", *RESUME)
   assert f"the latest checkpoint {checkpointed.parent / run}/checkpoints/{SAVED}" in message
-  assert expected in message and "the one before it is step 0" in message
+  assert expected in message and "the newest earlier step that verifies is 0: pass te_resume_step=0" in message
 
 
 def test_intact_checkpoint_passes_and_the_earlier_step_is_the_way_out(checkpointed, smoke_data):
@@ -135,3 +135,88 @@ def test_temoe_train_stops_before_maxtext_with_one_line(checkpointed, smoke_data
   lines = [line for line in proc.stderr.splitlines() if line.startswith("temoe: ")]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
   assert f"the latest checkpoint {base / run}/checkpoints/{SAVED}" in lines[0] and "Traceback" not in proc.stderr
+
+
+def train_copy(checkpointed: pathlib.Path, smoke_data: str, name: str, damage, *overrides: str):
+  """(exit code, whole output) of `temoe train` resuming a damaged copy of the run (steps=8)."""
+  run = damaged_copy(checkpointed, name, damage)
+  proc = subprocess.run(runs.command(checkpointed.parent, smoke_data, run, f"{run}.jsonl", *RESUME, *overrides),
+                        cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
+  return proc.returncode, proc.stdout + proc.stderr, checkpointed.parent / run
+
+
+def without_records(damage):
+  """The damage, on a checkpoint whose checksum records are gone (saved by MaxText alone, or older)."""
+  def apply(step: pathlib.Path):
+    shutil.rmtree(step.parent.parent / checksums.RECORDS)
+    damage(step)
+  return apply
+
+
+def overwrite_with_ff(path: pathlib.Path) -> None:
+  size = path.stat().st_size
+  with open(path, "r+b") as f:
+    f.seek(size // 4)
+    f.write(b"\xff" * (size // 2))
+
+
+def test_a_finished_run_started_again_says_so_and_exits_0(checkpointed, smoke_data):
+  proc = subprocess.run(runs.command(checkpointed.parent, smoke_data, checkpointed.name, "again.jsonl", "steps=6",
+                                     *CHECKPOINTING), cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
+  faults.check("finished run started again", proc.returncode, proc.stdout + proc.stderr)
+  assert "completed step" not in proc.stdout + proc.stderr
+
+
+def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_step_resumes(checkpointed, smoke_data):
+  """Without checksum records the flipped chunk restores as Inf; the run stops before its first step,
+  names the newest step that restores finite, and te_resume_step resumes from it, once."""
+  code, log, run = train_copy(checkpointed, smoke_data, "flipped-no-records",
+                              without_records(lambda s: flip(largest_chunk_file(s), 4096)))
+  line = faults.check("flipped bytes, no checksum records", code, log)
+  assert f"the checkpoint of step {SAVED} at {run}/checkpoints/{SAVED}, which this run would resume from" in line
+  assert "completed step" not in log and runs.finalized_steps(run / "checkpoints") == [0, SAVED]  # nothing saved
+
+  resumed = subprocess.run(runs.command(run.parent, smoke_data, run.name, "resumed.jsonl", *RESUME, "te_resume_step=0"),
+                           cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"te_resume_step: moved checkpoint step(s) {SAVED} to {run}/{preflight.SET_ASIDE}/" in resumed.stdout
+  assert "restoring from this run's directory step 0" in resumed.stderr
+  assert sorted(runs.losses(run.parent / "resumed.jsonl")) == list(range(1, 8))
+  assert [p.name for p in (run / preflight.SET_ASIDE).glob("*/*")] == [str(SAVED)]  # kept, not deleted
+  again = subprocess.run(runs.command(run.parent, smoke_data, run.name, "again.jsonl", *RESUME, "te_resume_step=0"),
+                         cwd=runs.ROOT, capture_output=True, text=True, timeout=600)  # a requeue, same arguments
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"restoring from this run's directory step {SAVED}" in again.stderr  # the new step 5: applied once only
+  assert len(list((run / preflight.SET_ASIDE).glob("2*"))) == 1 and "moved checkpoint" not in again.stdout
+
+
+def test_a_chunk_overwritten_without_records_is_a_digest_mismatch_in_one_line(checkpointed, smoke_data):
+  code, log, _ = train_copy(checkpointed, smoke_data, "ff-no-records",
+                            without_records(lambda s: overwrite_with_ff(largest_chunk_file(s))))
+  faults.check("chunk overwritten with 0xFF, no checksum records", code, log)
+
+
+def test_another_model_shape_names_the_parameter_and_both_shapes(checkpointed, smoke_data):
+  code, log, _ = train_copy(checkpointed, smoke_data, "other-shape", lambda s: None, "override_model_config=true",
+                            "base_moe_mlp_dim=48")
+  faults.check("another model shape", code, log)
+
+
+@pytest.fixture
+def read_only_checkpoints(tmp_path):
+  """A run directory whose checkpoints/ is a read-only mount. Needs root (CI runs as root)."""
+  checkpoints = tmp_path / "run" / "checkpoints"
+  checkpoints.mkdir(parents=True)
+  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(checkpoints)], capture_output=True,
+                        text=True, check=False) if shutil.which("mount") else None
+  if made is None or made.returncode:
+    pytest.skip(f"cannot mount a read-only tmpfs here: {made.stderr.strip() if made else 'no mount command'}")
+  yield checkpoints
+  subprocess.run(["umount", str(checkpoints)], check=False)
+
+
+def test_a_read_only_checkpoint_directory_is_refused_before_compiling(tmp_path, smoke_data, read_only_checkpoints):
+  proc = subprocess.run(runs.command(tmp_path, smoke_data, "run", "ro.jsonl", *RESUME), cwd=runs.ROOT,
+                        capture_output=True, text=True, timeout=600)
+  faults.check("read-only checkpoint directory", proc.returncode, proc.stdout + proc.stderr,
+               dir=f"{read_only_checkpoints}/")

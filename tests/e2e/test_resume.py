@@ -15,18 +15,13 @@ import pytest
 
 import runs
 
-STEPS = 32  # steps take ~30 ms here: room for the kill to land well before the end
+STEPS = 32  # steps take ~30 ms here: room for the kill to land well before the end (conftest's smoke_reference)
 PERIOD = 4
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, smoke_data):
-  base = tmp_path_factory.mktemp("uninterrupted")
-  return runs.train(base, smoke_data, "ref", "ref.jsonl", f"steps={STEPS}", "enable_checkpointing=false")[0]
-
-
 @pytest.mark.parametrize("async_checkpointing", ["true", "false"])
-def test_killed_run_resumes_on_the_exact_loss_trajectory(tmp_path, smoke_data, uninterrupted, async_checkpointing):
+def test_killed_run_resumes_on_the_exact_loss_trajectory(tmp_path, smoke_data, smoke_reference, async_checkpointing):
+  uninterrupted = smoke_reference
   flags = (f"steps={STEPS}", "enable_checkpointing=true", f"checkpoint_period={PERIOD}",
            f"async_checkpointing={async_checkpointing}")
   checkpoints = tmp_path / "run" / "checkpoints"

@@ -4,7 +4,9 @@ tests/slurm/cluster.sh installs Debian's slurmctld, slurmd, slurm-client and mun
 them as root without systemd and stops them by PID afterwards. The job (virtualenv mode) must form
 one jax.distributed group of 2 processes, train with temoe's block, lower the loss, and get its
 overrides verbatim: its output directory's name holds spaces, quotes, $(...) and backticks, which
-must name a directory and never run.
+must name a directory and never run. Halfway the batch script gets a SIGTERM (`scancel --signal=TERM
+--batch`): it passes it to the tasks through Slurm, both checkpoint one step and exit 75, the script
+requeues the job, and the second attempt resumes there and completes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import time
 import pytest
 from conftest import ROOT, SMOKE
 
-STEPS = 20
+STEPS = 40
+STOP_AFTER = 4  # the signal goes out once this step is logged
 TRICKY = "out dir $(touch PWNED) `touch PWNED` 'q\""
 
 
@@ -60,23 +63,39 @@ def wait(job_id: str, env: dict, timeout: float = 240) -> str:
   pytest.fail(f"Slurm job {job_id} still queued or running after {timeout}s")
 
 
-def test_two_task_cpu_job_forms_one_jax_group_and_learns(slurm, tmp_path, smoke_data):
+def signal_when_logged(job_id: str, log_path, text: str, env: dict, timeout: float = 300) -> None:
+  """`scancel --signal=TERM --batch` (the batch script only; the job runs on) once `text` is in the log."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if log_path.exists() and text in log_path.read_text(errors="replace"):
+      subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=env, check=True, timeout=30)
+      return
+    time.sleep(0.05)
+  pytest.fail(f"Slurm job {job_id} never logged {text!r}")
+
+
+def test_two_task_cpu_job_forms_one_jax_group_learns_and_a_sigterm_requeues_it(slurm, tmp_path, smoke_data):
   workdir, out = tmp_path / "job", tmp_path / TRICKY
   submit = subprocess.run(
       [sys.executable, "-m", "temoe.cli", "launch", "slurm", "--submit", "--name", "smoke", "--gpus-per-node", "0",
-       "--tasks-per-node", "2", "--workdir", str(workdir), "--max-restarts", "0", SMOKE,
+       "--tasks-per-node", "2", "--workdir", str(workdir), "--max-restarts", "1", SMOKE,
        f"base_output_directory={out}", "run_name=smoke", f"grain_train_files={smoke_data}", f"steps={STEPS}",
-       "log_period=5", f"metrics_file={out}/metrics.jsonl"],
+       "log_period=5", f"metrics_file={out}/metrics.jsonl", "enable_checkpointing=true", "checkpoint_period=10"],
       capture_output=True, text=True, env=slurm, cwd=ROOT, timeout=60, check=False)
   assert submit.returncode == 0, submit.stderr
   job_id = submit.stdout.strip()
-  info = wait(job_id, slurm)
-  log = (workdir / f"smoke-{job_id}.out").read_text()
-  assert "JobState=COMPLETED" in info and "Restarts=0" in info, info + log[-3000:]
+  log_path = workdir / f"smoke-{job_id}.out"
+  signal_when_logged(job_id, log_path, f"completed step: {STOP_AFTER},", slurm)
+  info = wait(job_id, slurm, timeout=600)
+  log = log_path.read_text()
+  assert "JobState=COMPLETED" in info and "Restarts=1" in info, info + log[-3000:]
 
-  for rank in (0, 1):  # both tasks joined one group of two
-    assert f"temoe: jax.distributed process {rank} of 2 (Slurm job {job_id}, 2 device(s)" in log
-  assert log.count("te_moe_block=true -> temoe MoE block") == 2 and "recipe te_no_quant, 2 device(s)" in log
+  for rank in (0, 1):  # both tasks joined one group of two, in both attempts
+    assert log.count(f"temoe: jax.distributed process {rank} of 2 (Slurm job {job_id}, 2 device(s)") == 2
+  assert log.count("te_moe_block=true -> temoe MoE block") == 4 and "recipe te_no_quant, 2 device(s)" in log
+  stops = re.findall(r"temoe: training stopped after step (\d+) of 40: .*; checkpoint step \1 saved\. Exit 75", log)
+  assert len(stops) == 2 and len(set(stops)) == 1, log[-4000:]  # both tasks saved the same step, then exit 75
+  assert log.count(f"restoring from this run's directory step {stops[0]}") == 2  # the requeued attempt resumed there
 
   rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
   steps = [r["step"] for r in rows]

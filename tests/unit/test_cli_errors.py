@@ -13,7 +13,7 @@ import pytest
 
 from conftest import SMOKE, run_temoe
 from temoe import cli
-from temoe.run import lock
+from temoe.run import data, lock
 
 I671B = "configs/deepseek3-671b-h100x1024.yml"
 
@@ -47,6 +47,25 @@ ROWS = [
     ("train", ["grain_train_files={tmp}/none-*.parquet"], 2, "none-*.parquet matches no file"),
     ("train", ["grain_train_files={tmp}/no-rows.parquet"], 2, "holds no rows"),
     ("train", ["train_data_columns=['text']"], 2, "has no column text (train_data_columns)"),
+    ("train", ["grain_train_files={tmp}/vocab-300.parquet"], 2,
+     "vocab-300.parquet row 17 (0-based) holds token id 300 at position 5, outside [0, vocab_size=256)"),
+    ("train", ["grain_train_files={tmp}/negative-id.parquet"], 2,
+     "negative-id.parquet row 3 (0-based) holds token id -1 at position 9, outside [0, vocab_size=256)"),
+    ("train", ["grain_train_files={tmp}/int64-2^32.parquet"], 2,
+     "row 20 (0-based) holds token id 4294967301 at position 2, which does not fit the int32 ids MaxText's batches hold"),
+    ("train", ["grain_train_files={tmp}/float-ids.parquet"], 2,
+     "column tokens is list<element: double>, not a list of integer token ids per row"),
+    ("train", ["grain_train_files={tmp}/int-column.parquet"], 2, "column tokens is int32, not a list of integer token ids"),
+    ("train", ["grain_train_files={tmp}/null-id.parquet"], 2, "row 7 (0-based) holds a null token id at position 3"),
+    ("train", ["grain_train_files={tmp}/null-row.parquet"], 2, "row 4 (0-based) is null, not a list of token ids"),
+    ("train", ["grain_train_files={tmp}/short-row.parquet"], 2,
+     "row 9 (0-based) holds 12 token ids, fewer than max_target_length=64: with packing=false MaxText pads each row"),
+    ("train", ["run_name=tensorboard-is-a-file"], 2,
+     "tensorboard_dir {tmp}/out/tensorboard-is-a-file/tensorboard/ is not a writable directory (Not a directory)"),
+    ("train", ["steps=inf"], 2, "steps=inf is not a finite number"),
+    ("train", ["per_device_batch_size=nan"], 2, "per_device_batch_size=nan is not a finite number"),
+    ("train", ["enable_checkpointing=true", "te_resume_step=3"], 2,
+     "te_resume_step=3: {tmp}/out/bad/checkpoints/ has no committed step 3; its steps: none"),
     ("train", ["run_name=locked"], 2, "is in use by another temoe train (pid"),
     ("train", ["{tmp}/missing.yml"], 2, "config {tmp}/missing.yml does not exist"),
     ("plan", ["{tmp}/missing.yml"], 2, "{tmp}/missing.yml is not a config YAML file (no such file)"),
@@ -60,15 +79,36 @@ ROWS = [
     ("plan", ["{tmp}/empty.yml"], 2, "config {tmp}/empty.yml is empty"),
     ("plan", [SMOKE, "te_moe_blok=true"], 2, "unknown config key 'te_moe_blok'"),
     ("plan", [I671B], 2, "pass its --devices N and --slices N"),
+    ("plan", [SMOKE, "--hbm-gib", "inf"], 2, "--hbm-gib=inf must be a positive number of GiB, finite and at most 1e+06"),
+    ("plan", [SMOKE, "--devices", "1000000000000"], 2, "--devices=1000000000000 must be at least 1 and at most 1,048,576"),
+    ("plan", [SMOKE, "per_device_batch_size=inf"], 2, "per_device_batch_size=inf is not a finite number"),
+    ("plan", [SMOKE, "per_device_batch_size=-2"], 2, "per_device_batch_size=-2 must be greater than 0"),
+    ("plan", [SMOKE, "--hbm-gib", "lots"], 2, "argument --hbm-gib: invalid float value: 'lots' (see `temoe plan --help`)"),
+    ("flops", [SMOKE, "per_device_batch_size=-2"], 2, "per_device_batch_size=-2 must be greater than 0"),
+    ("flops", ["{tmp}/negative-batch.yml"], 2, "per_device_batch_size=-2 must be greater than 0 (and finite)"),
     ("profile", [SMOKE, "--steps", "0"], 2, "--steps=0 must be at least 1"),
     ("profile", ["{tmp}/invalid.yml"], 2, "is not valid YAML"),
     ("data", ["--rows", "0", "--out", "{tmp}/new.parquet"], 2, "--rows=0 must be at least 1"),
     ("data", ["--out", "{tmp}"], 2, "is a directory; pass a file path"),
     ("data", ["--out", "{tmp}/text.parquet"], 2, "exists and is not a readable Parquet file"),
+    ("data", ["--out", "{tmp}/stream.parquet", "--rows", "8"], 2,
+     "exists and was written with other settings (--rows 16, not 8); pass --overwrite to replace it, or another path"),
+    ("data", ["--out", "/proc/no-such-dir/x.parquet"], 2, "cannot be written (No such file or directory)"),
+    ("data", ["--rows", "many"], 2, "argument --rows: invalid int value: 'many' (see `temoe data --help`)"),
+    ("env", ["--write-dockerfile", "{tmp}/nothere"], 2, "--write-dockerfile {tmp}/nothere: No such file or directory"),
+    ("env", ["--write-dockerfile", "{tmp}/empty.yml"], 2, "has no block between"),
+    ("env", ["--arch", "ampere"], 2, "argument --arch: invalid choice: 'ampere'"),
+    ("doctor", ["--without-te"], 2, "--without-te goes with --image (see `temoe doctor --help`)"),
+    ("profile", ["--trace", "{tmp}/bad-trace"], 2, "is not a profile JAX can read"),
+    ("profile", ["--trace", "{tmp}/nothere"], 2, "--trace {tmp}/nothere does not exist"),
     ("report", ["{tmp}/nothere"], 2, "{tmp}/nothere is not a run directory"),
     ("report", ["{tmp}/empty.yml"], 2, "is not a run directory (it is a file"),
     ("report", ["{tmp}", "--config", "{tmp}/empty.yml"], 2, "--config: config {tmp}/empty.yml is empty"),
+    ("report", ["{tmp}/bad-events"], 2, "events.out.tfevents.1 is not a readable TensorBoard event file"),
+    ("report", ["{tmp}/bad-profile"], 2, "profile.json is not a profile.json of `temoe profile`"),
+    ("report", [], 2, "the following arguments are required: run_dir (see `temoe report --help`)"),
     ("summary", ["{tmp}/nothere.jsonl"], 2, "is not a metrics file"),
+    ("summary", [], 2, "usage: python -m temoe.tools.summary <metrics.jsonl>"),
 ]
 
 
@@ -92,10 +132,53 @@ def broken_inputs(tmp_path_factory, smoke_data) -> dict:
   import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
 
   pq.write_table(pa.table({"tokens": pa.array([], type=pa.list_(pa.int32()))}), tmp / "no-rows.parquet")
+  write_bad_token_files(tmp)
+  (tmp / "out" / "tensorboard-is-a-file").mkdir(parents=True)
+  (tmp / "out" / "tensorboard-is-a-file" / "tensorboard").write_text("")
+  (tmp / "negative-batch.yml").write_text("base_config: base.yml\nper_device_batch_size: -2\n")
+  data.write_parquet(str(tmp / "stream.parquet"), rows=16)
+  (tmp / "bad-events").mkdir()
+  (tmp / "bad-events" / "events.out.tfevents.1").write_bytes(b"not an event file at all")
+  (tmp / "bad-profile").mkdir()
+  (tmp / "bad-profile" / "metrics.jsonl").write_text('{"step": 0.0, "learning/loss": 5.0}\n')
+  (tmp / "bad-profile" / "profile.json").write_text('{"steps": 3}')
+  (tmp / "bad-trace").mkdir()
+  (tmp / "bad-trace" / "host.xplane.pb").write_bytes(b"garbage")
   held = tmp / "out" / "locked"
   held.mkdir(parents=True)
   (held / lock.LOCK_NAME).write_text(json.dumps(lock.holder_info()))  # this live process holds it
   return {"tmp": str(tmp), "data": smoke_data}
+
+
+def write_bad_token_files(tmp: pathlib.Path) -> None:
+  """Token data MaxText would train on without a word (`temoe.run.tokens` refuses each)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+  good = data.markov_tokens(64, 65, 256)
+
+  def write(name, column):
+    pq.write_table(pa.table({"tokens": column}), tmp / name)
+
+  def with_value(dtype, row, position, value):
+    ids = good.astype(dtype)
+    ids[row, position] = value
+    return pa.array(list(ids), type=pa.list_(pa.from_numpy_dtype(dtype)))
+
+  def with_rows(change):
+    rows = [list(map(int, r)) for r in good]
+    change(rows)
+    return pa.array(rows, type=pa.list_(pa.int32()))
+
+  write("vocab-300.parquet", with_value(np.int32, 17, 5, 300))  # data made for a larger vocabulary
+  write("negative-id.parquet", with_value(np.int32, 3, 9, -1))
+  write("int64-2^32.parquet", with_value(np.int64, 20, 2, 2**32 + 5))  # int32 would keep its low bits: 5
+  write("float-ids.parquet", pa.array(list(good + 0.5), type=pa.list_(pa.float64())))
+  write("int-column.parquet", pa.array(good[:, 0].astype(np.int32)))
+  write("null-id.parquet", with_rows(lambda rows: rows[7].__setitem__(3, None)))
+  write("null-row.parquet", with_rows(lambda rows: rows.__setitem__(4, None)))
+  write("short-row.parquet", with_rows(lambda rows: rows.__setitem__(9, rows[9][:12])))
 
 
 def argv(command: str, args: list[str], where: dict) -> list[str]:
@@ -122,6 +205,10 @@ def run_row(command: str, args: list[str], where: dict, capsys) -> tuple[int, li
     from temoe.tools import summary  # pylint: disable=import-outside-toplevel
 
     code = summary.main(full[1:])
+  elif command == "flops":
+    from temoe.tools import flops  # pylint: disable=import-outside-toplevel
+
+    code = flops.main(full[1:])
   else:
     code = cli.main(full)
   err = capsys.readouterr().err
@@ -202,7 +289,9 @@ def render_table(rows=ROWS) -> str:
     text = " ".join(a.replace("{tmp}/", "").replace("{tmp}", "<dir>").replace(SMOKE, "smoke.yml") for a in args)
     if command == "train" and not (args and args[0].endswith(".yml")):
       text = f"smoke.yml {text}"
-    return f"temoe {command} {text}" if command != "summary" else f"python -m temoe.tools.summary {text}"
+    if command in ("summary", "flops"):
+      return f"python -m temoe.tools.{command} {text}".rstrip()
+    return f"temoe {command} {text}".rstrip()
 
   lines = ["| input | exit | the one line (excerpt) |", "|---|---|---|"]
   for command, args, code, text in rows:

@@ -10,7 +10,6 @@ The checks reuse `temoe.hardware` and `temoe.maxtext.seams`; this module only re
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import dataclasses
 import glob
@@ -18,7 +17,7 @@ import importlib.util
 import os
 import sys
 
-from temoe import __version__
+from temoe import __version__, oneline
 from temoe.deploy import env
 
 NO_GPU_FIX = ("run on a GPU host with the NVIDIA driver (`nvidia-smi` works), in the image with "
@@ -149,7 +148,7 @@ def _profile(report: Report, arch: str | None, environ: dict[str, str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   """`temoe doctor`: checks this machine and environment for a temoe GPU run."""
-  parser = argparse.ArgumentParser(prog="temoe doctor", description=main.__doc__)
+  parser = oneline.ArgumentParser(prog="temoe doctor", description=main.__doc__)
   parser.add_argument("--image", action="store_true",
                       help="check the installed stack only, no GPU (the image build runs this): MaxText, its "
                            "base.yml and seams, Transformer Engine's names; one line per problem with the fix")

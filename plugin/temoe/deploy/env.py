@@ -10,7 +10,6 @@ Only stdlib here: the entrypoint imports this before anything starts JAX.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -18,6 +17,8 @@ import shlex
 import shutil
 import subprocess
 import sys
+
+from temoe import oneline
 
 ARCHS = ("hopper", "blackwell")
 """GPU architectures the profile knows: Hopper (sm_90), Blackwell (sm_100 and newer)."""
@@ -218,14 +219,20 @@ def write_dockerfile(path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
   """`temoe env`: prints the profile for a GPU architecture, merged with this environment."""
-  parser = argparse.ArgumentParser(prog="temoe env", description=main.__doc__)
+  parser = oneline.ArgumentParser(prog="temoe env", description=main.__doc__)
   parser.add_argument("--arch", choices=(*ARCHS, "auto"), default="auto")
   parser.add_argument("--format", choices=("shell", "docker-env", "json"), default="shell")
   parser.add_argument("--explain", action="store_true", help="say what each setting does and for which GPUs")
   parser.add_argument("--write-dockerfile", metavar="PATH", help="rewrite PATH's generated ENV block and exit")
   args = parser.parse_args(argv)
   if args.write_dockerfile:
-    changed = write_dockerfile(args.write_dockerfile)
+    try:
+      changed = write_dockerfile(args.write_dockerfile)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+      why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+      print(f"temoe env: --write-dockerfile {args.write_dockerfile}: {why}; pass temoe's Dockerfile (it holds the "
+            "generated ENV block)", file=sys.stderr)
+      return 2
     print(f"temoe env: {args.write_dockerfile} {'updated' if changed else 'already matches the profile'}")
     return 0
   arch, how = resolve_arch(args.arch)

@@ -12,12 +12,19 @@ and the MaxText mode that forms the jax.distributed group from it:
           on CPUs), pyxis image or a virtualenv        .initialize() reads Slurm's environment
   k8s     one pod per node, all its GPUs, JobSet      hardware=gpu: MaxText reads JAX_COORDINATOR_IP,
           indexed pods                                 NNODES, NODE_RANK (the pod's completion index)
+
+All three act on `temoe train`'s exit codes (`temoe.exits`) alike: only `REQUEUE` (75: preempted
+after a synchronous checkpoint, a transient fault) runs the job again, at most --max-restarts
+times; anything else ends it. Each gives the run --grace-seconds between SIGTERM and the kill to
+save its step: sbatch's --signal and its forwarding trap, `docker run --stop-timeout`, the pod's
+terminationGracePeriodSeconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import os
 import pathlib
@@ -25,6 +32,8 @@ import re
 import shlex
 import subprocess
 import sys
+
+from temoe import exits, oneline
 
 TEMPLATES = pathlib.Path(__file__).parent / "templates"
 """The checkout's top-level launch/ (templates/ is a link to it; a wheel holds copies as package data):
@@ -34,6 +43,15 @@ HARDWARE = {"docker": "gpu", "slurm": "gpu_multiprocess", "k8s": "gpu"}
 """MaxText's hardware mode for each launcher's process layout (GPU jobs; an explicit hardware= wins)."""
 
 COORDINATOR_PORT = 3389
+
+LAUNCHER_OWNED = {
+    "docker": (),
+    "slurm": ("SLURM_*", "JAX_COORDINATOR_*", "JAX_PROCESS_*", "JAX_NUM_PROCESSES", "NNODES", "NODE_RANK"),
+    "k8s": ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "JAX_COORDINATOR_ADDRESS", "JAX_PROCESS_*",
+            "JAX_NUM_PROCESSES", "NNODES", "NODE_RANK"),
+}
+"""Variables each launcher sets to lay out the job's processes (Slurm's own, JAX's, the JobSet's): an
+--env of one would join processes to the wrong group, so it is refused."""
 
 
 @dataclasses.dataclass
@@ -52,7 +70,8 @@ class Job:
   mounts: list[str] = dataclasses.field(default_factory=list)  # HOST:CONTAINER[:ro]
   env: dict[str, str] = dataclasses.field(default_factory=dict)
   sbatch_options: list[str] = dataclasses.field(default_factory=list)  # e.g. --partition=batch
-  max_restarts: int = 3
+  max_restarts: int = 3  # requeues (Slurm), restarts (JobSet, docker) after an exit 75
+  grace_seconds: int = 300  # from SIGTERM to the kill: the run saves its step in between
 
   @property
   def tasks(self) -> int:
@@ -70,6 +89,9 @@ def check(job: Job, launcher: str) -> None:
     raise ValueError(f"--tasks-per-node {job.tasks_per_node}: must be at least 1")
   if job.max_restarts < 0:
     raise ValueError(f"--max-restarts {job.max_restarts}: must be at least 0 (0: never requeue or restart)")
+  if not 1 <= job.grace_seconds <= 24 * 3600:
+    raise ValueError(f"--grace-seconds {job.grace_seconds}: must be between 1 and 86400 (the time a run gets to "
+                     "save its step between SIGTERM and the kill)")
   if not job.config.strip():
     raise ValueError("the config path is empty: give the MaxText YAML the job runs")
   if job.image is not None and not job.image.strip():
@@ -82,13 +104,17 @@ def check(job: Job, launcher: str) -> None:
     raise ValueError("--venv is for `temoe launch slurm` without --image; with an image the job runs in it")
 
 
-def environment(job: Job) -> dict[str, str]:
+def environment(job: Job, launcher: str) -> dict[str, str]:
   """The job's own variables (--env). The env profile is not merged here: every GPU launch runs
   `temoe.deploy.entrypoint` (the image's ENTRYPOINT; `python -m temoe.deploy.entrypoint` under srun), which adds
   the profile for the GPU it finds on the node, under these and anything else the user set."""
   bad = [key for key in job.env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key)]
   if bad:
     raise ValueError(f"environment variable name {bad[0]!r} is not a valid name")
+  owned = [key for key in job.env if any(fnmatch.fnmatchcase(key, pattern) for pattern in LAUNCHER_OWNED[launcher])]
+  if owned:
+    raise ValueError(f"--env {owned[0]}: `temoe launch {launcher}` sets {owned[0]} itself (the job's process layout); "
+                     "it cannot be overridden")
   return dict(job.env)
 
 
@@ -162,7 +188,8 @@ def docker_run_kwargs(job: Job) -> dict:
       "name": job.name,
       **_docker_options(docker_flags(), bool(job.gpus_per_node)),
       "volumes": {host: {"bind": path, "mode": mode} for host, path, mode in map(_mount, job.mounts)},
-      "environment": environment(job),
+      "environment": environment(job, "docker"),
+      "stop_timeout": job.grace_seconds,  # temoe's: `docker stop`'s wait, which containers.run cannot set
   }
 
 
@@ -178,26 +205,55 @@ def docker_run_line(kwargs: dict) -> str:
   argv += ["--ipc", kwargs["ipc_mode"]] if kwargs["ipc_mode"] else []
   for ulimit in kwargs["ulimits"]:
     argv += ["--ulimit", f"{ulimit.name}={ulimit.soft}:{ulimit.hard}"]
+  argv += ["--stop-timeout", str(kwargs["stop_timeout"])]
   return shlex.join([*argv, kwargs["image"], *kwargs["command"]])
 
 
 def run_docker(job: Job) -> int:
-  """Runs the container through the Docker engine, streams its output, returns its exit code."""
+  """Runs the container through the Docker engine, streams its output, and starts it again after an exit
+  75 (at most --max-restarts times), as launch/docker-run.sh does; returns the last exit code.
+
+  SIGTERM/SIGINT to this process stop the container as `docker stop` does (SIGTERM, then SIGKILL
+  after --grace-seconds) and start no new one."""
+  import signal  # pylint: disable=import-outside-toplevel
+
   import docker  # pylint: disable=import-outside-toplevel
 
   kwargs = docker_run_kwargs(job)  # a bad job is refused before the engine is asked anything
+  grace = kwargs.pop("stop_timeout")
+  running, stopping = [], []
+
+  def stop(signum, frame):
+    del signum, frame
+    stopping.append(True)
+    for container in running:
+      container.stop(timeout=grace)
+
+  previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
   try:
-    container = docker.from_env().containers.run(detach=True, **kwargs)
-  except docker.errors.DockerException as exc:
-    raise ValueError(f"the Docker engine refused or cannot be reached ({exc}); `--dry-run` prints the "
-                     "`docker run` line instead") from exc
-  try:
-    for chunk in container.logs(stream=True, follow=True):
-      sys.stdout.buffer.write(chunk)
-      sys.stdout.flush()
-    return int(container.wait()["StatusCode"])
+    for attempt in range(job.max_restarts + 1):
+      try:
+        container = docker.from_env().containers.run(detach=True, **kwargs)
+      except docker.errors.DockerException as exc:
+        raise ValueError(f"the Docker engine refused or cannot be reached ({exc}); `--dry-run` prints the "
+                         "`docker run` line instead") from exc
+      running.append(container)
+      try:
+        for chunk in container.logs(stream=True, follow=True):
+          sys.stdout.buffer.write(chunk)
+          sys.stdout.flush()
+        code = int(container.wait()["StatusCode"])
+      finally:
+        running.remove(container)
+        container.remove(force=True)
+      if code != exits.REQUEUE or stopping or attempt == job.max_restarts:
+        return code
+      print(f"temoe launch: exit {code} (requeue): starting the container again (restart {attempt + 1} of "
+            f"{job.max_restarts})", file=sys.stderr, flush=True)
+    return code
   finally:
-    container.remove(force=True)
+    for sig, handler in previous.items():
+      signal.signal(sig, handler)
 
 
 def _render(template: str, **values) -> str:
@@ -223,17 +279,25 @@ def sbatch_script(job: Job) -> str:
     raise ValueError(f"--mount {commas[0]!r}: a pyxis mount cannot hold ','")
   mounts = ",".join(":".join(m for m in _mount(spec) if m != "rw") for spec in job.mounts)
   return _render(
-      "sbatch.sh.j2", job=job, tasks=job.tasks, argv=train_argv(job, "slurm"), env=environment(job),
-      mounts=mounts, venv=job.venv or sys.prefix,
+      "sbatch.sh.j2", job=job, tasks=job.tasks, argv=train_argv(job, "slurm"), env=environment(job, "slurm"),
+      mounts=mounts, venv=job.venv or sys.prefix, requeue=exits.REQUEUE, needs_person=exits.NEEDS_PERSON,
   )
 
 
 def submit(script: str, job: Job) -> str:
   """Writes the script into the job directory (beside its log) and submits it; returns the job id."""
   path = pathlib.Path(job.workdir, f"{job.name}.sbatch")
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(script, encoding="utf-8")
-  done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=True)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script, encoding="utf-8")
+  except OSError as exc:
+    raise ValueError(f"--workdir {job.workdir}: cannot write the job script there ({exc.strerror or exc}); pass a "
+                     "directory this user can write (it also holds the job's log)") from exc
+  try:
+    done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, check=True)
+  except FileNotFoundError as exc:
+    raise ValueError("sbatch is not on PATH: submit from a Slurm login node, or leave out --submit to print the "
+                     "script") from exc
   return done.stdout.strip().split(";")[0]
 
 
@@ -246,20 +310,14 @@ def jobset_manifest(job: Job) -> str:
   volumes = [{"name": f"mount-{i}", "host": host, "path": path, "read_only": mode == "ro"}
              for i, (host, path, mode) in enumerate(map(_mount, job.mounts))]
   return _render(
-      "jobset.yaml.j2", job=job, image=image, argv=train_argv(job, "k8s"), env=environment(job),
+      "jobset.yaml.j2", job=job, image=image, argv=train_argv(job, "k8s"), env=environment(job, "k8s"),
       volumes=volumes, coordinator=f"{job.name}-workers-0-0.{job.name}", port=COORDINATOR_PORT,
+      requeue=exits.REQUEUE,
   )
 
 
-class _Parser(argparse.ArgumentParser):
-  """argparse that reports a bad argument in one line (no usage block), exit 2."""
-
-  def error(self, message):
-    self.exit(2, f"temoe launch: {message} (see `temoe launch --help`)\n")
-
-
 def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
-  parser = _Parser(prog="temoe launch", description=__doc__.splitlines()[0])
+  parser = oneline.ArgumentParser(prog="temoe launch", description=__doc__.splitlines()[0])
   parser.add_argument("launcher", choices=("docker", "slurm", "k8s"))
   parser.add_argument("config", help="MaxText YAML, as the job sees it (a path in the image or workdir)")
   parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides, passed verbatim")
@@ -273,7 +331,10 @@ def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
   parser.add_argument("--mount", action="append", default=[], metavar="HOST:CONTAINER[:ro]")
   parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
   parser.add_argument("--sbatch", action="append", default=[], metavar="OPTION", help="extra #SBATCH option")
-  parser.add_argument("--max-restarts", type=int, default=3, help="Slurm requeues / JobSet restarts")
+  parser.add_argument("--max-restarts", type=int, default=3,
+                      help=f"Slurm requeues / JobSet and docker restarts after an exit {exits.REQUEUE} (requeue)")
+  parser.add_argument("--grace-seconds", type=int, default=300,
+                      help="from SIGTERM to the kill (Slurm: before the time limit): the run checkpoints its step")
   parser.add_argument("--dry-run", action="store_true", help="docker: print the `docker run` line")
   parser.add_argument("--submit", action="store_true", help="slurm: submit with sbatch")
   args = parser.parse_args(argv)
@@ -287,7 +348,7 @@ def parse(argv: list[str]) -> tuple[str, Job, argparse.Namespace]:
       config=config, overrides=args.overrides, name=args.name, nodes=args.nodes,
       gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, image=args.image, venv=args.venv,
       workdir=os.path.abspath(args.workdir), mounts=args.mount, env=dict(e.split("=", 1) for e in args.env),
-      sbatch_options=args.sbatch, max_restarts=args.max_restarts,
+      sbatch_options=args.sbatch, max_restarts=args.max_restarts, grace_seconds=args.grace_seconds,
   )
   return args.launcher, job, args
 

@@ -1,7 +1,9 @@
-"""What temoe adds to MaxText 0.2.5's checkpoint saves: no non-finite state, checksums, one-line write errors.
+"""What temoe adds to MaxText 0.2.5's checkpoints: no non-finite state saved or restored, checksums,
+one-line write and restore errors.
 
 MaxText's `checkpointing.save_checkpoint` is the one function every save goes through, called
-only when a step is due. Wrapped:
+only when a step is due, and `load_state_if_possible` the one every restore goes through, before
+the first step. Wrapped:
 
 - The state is checked finite first (one jitted reduction per save); a NaN/Inf state is never
   committed, so the latest checkpoint stays the last good one, and the run stops naming both.
@@ -11,6 +13,10 @@ only when a step is due. Wrapped:
 - A failed write (a full disk, a quota, a read-only mount), raised at once or from Orbax's
   background commit, stops the run with one line; Orbax commits a step by renaming its
   temporary directory, so nothing half-written is ever listed as a step.
+- A restore of this run's checkpoint that fails (a digest mismatch, an unreadable chunk, a
+  parameter of another shape) or yields a NaN/Inf parameter (flipped bytes with no checksum
+  records to catch them) stops the run before the first step, naming the step, the path, the
+  cause and the newest earlier step that restores finite (`te_resume_step=N` resumes from it).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import errno
 import functools
 import os
 
+from temoe import exits
 from temoe.maxtext import failures
+from temoe.oneline import first_line, root_cause
 
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EFBIG}
 
@@ -78,8 +86,13 @@ def write_failed(step: int, config, err: OSError) -> failures.TrainingStopped:
   return failures.TrainingStopped(
       f"the checkpoint of {what} could not be written to {where}: {err.strerror}; nothing of it is "
       f"listed as a step (the latest committed one is {latest(config.checkpoint_dir)}). Free space or fix the "
-      "mount, then run again with the same run_name to resume."
+      "mount, then run again with the same run_name to resume.", write_exit_code(err)
   )
+
+
+def write_exit_code(err: OSError) -> int:
+  """A full, read-only or forbidden disk needs a person; an I/O error may pass on a retry."""
+  return exits.REQUEUE if err.errno in failures.TRANSIENT_ERRNOS else exits.NEEDS_PERSON
 
 
 def latest(checkpoint_dir: str) -> str:
@@ -106,8 +119,142 @@ def record_committed(checkpoint_dir: str, wait: bool = False) -> None:
       _hashing.pop(0).result()
 
 
+def nonfinite_leaves(tree, limit: int = 3) -> list[str]:
+  """Paths (a/b/c) of the first `limit` floating leaves of `tree` holding a NaN or Inf."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  leaves = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)]
+  if not leaves:
+    return []
+  flags = jax.device_get(_leaves_finite_fn()(tuple(leaf for _, leaf in leaves)))
+  return [path_name(path) for (path, _), ok in zip(leaves, flags) if not ok][:limit]
+
+
+@functools.cache
+def _leaves_finite_fn():
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  return jax.jit(lambda leaves: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def path_name(path) -> str:
+  name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+  return name.removesuffix("/value")  # an NNX variable's array
+
+
+class RestoreFailed(failures.TrainingStopped):
+  """This run's checkpoint could not be restored as saved; raised before the first step."""
+
+
+def restore_failed(manager, step: int, cause: str, verify, transient: bool = False) -> RestoreFailed:
+  """The one line for a damaged latest checkpoint: the step, its path, why, and what restores instead."""
+  from temoe.run import preflight  # pylint: disable=import-outside-toplevel
+
+  directory = str(manager.directory)
+  good = None
+  for earlier in reversed([s for s in preflight.finalized_steps(directory) if s < step][-VERIFY_EARLIER:]):
+    if preflight.step_problem(directory, earlier) is None and verify(earlier) is None:
+      good = earlier
+      break
+  if good is None:
+    what = "no earlier step restores finite: pass a new run_name to start afresh"
+  else:
+    what = (f"the newest earlier step that restores finite is {good}: pass te_resume_step={good} to resume from it "
+            f"(later steps are moved to {preflight.SET_ASIDE}/), or a new run_name to start afresh")
+  code = exits.REQUEUE if transient else exits.NEEDS_PERSON
+  return RestoreFailed(f"the checkpoint of step {step} at {directory.rstrip('/')}/{step}, which this run would resume "
+                       f"from, cannot be restored: {cause}; {what}.", code)
+
+
+VERIFY_EARLIER = 3
+"""Earlier steps restored in full (newest first) to find one that restores finite, at most."""
+
+
+def shape_mismatch(directory: str, step: int, target) -> str | None:
+  """The first parameter whose stored shape differs from what this config builds: 'name: checkpoint
+  (a, b), this config (c, d)', from Orbax's metadata of the step (nothing restored), or None."""
+  import asyncio  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  from orbax.checkpoint import v1 as ocp  # pylint: disable=import-outside-toplevel
+
+  try:
+    stored = asyncio.run(ocp.handlers.PyTreeHandler().metadata(epath.Path(directory) / str(step) / "items"))
+  except Exception:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    return None
+  stored_shapes = {path_name(p): tuple(getattr(leaf, "shape", ()) or ())
+                   for p, leaf in jax.tree_util.tree_flatten_with_path(stored)[0] if hasattr(leaf, "shape")}
+  leaves = [(path_name(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(target)[0]
+            if hasattr(leaf, "dtype") and jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)]
+  # parameters and optimizer moments (an RNG key is stored as its raw uint32 words), the parameters first
+  for name, leaf in sorted(leaves, key=lambda item: "opt_state" in item[0]):
+    want = tuple(leaf.shape)
+    have = stored_shapes.get(name)
+    if have is not None and have != want:
+      return f"parameter {name} is {have} in the checkpoint and {want} in this config (another model shape?)"
+  return None
+
+
+def install_restore(checkpointing) -> None:
+  """Wraps MaxText's load_state_if_possible: a restore of this run's checkpoint that fails or yields a
+  NaN/Inf stops before the first step with one line."""
+  original_load = checkpointing.load_state_if_possible
+
+  @functools.wraps(original_load)
+  def load_state_if_possible(checkpoint_manager, data_iterator, *args, **kwargs):
+    step = checkpointing.latest_step(checkpoint_manager) if checkpoint_manager is not None else None
+    if kwargs.get("step", -1) >= 0:
+      step = kwargs["step"]
+    if step is None:
+      return original_load(checkpoint_manager, data_iterator, *args, **kwargs)
+
+    def verify(earlier: int) -> str | None:
+      """Why step `earlier` does not restore finite (its Grain iterator left alone), or None."""
+      try:
+        restored, _ = original_load(checkpoint_manager, None, *args, **{**kwargs, "step": earlier})
+      except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+        return first_line(root_cause(exc))
+      bad = nonfinite_leaves(restored.get("items") if isinstance(restored, dict) else restored)
+      return f"NaN/Inf in {', '.join(bad)}" if bad else None
+
+    try:
+      restored, params = original_load(checkpoint_manager, data_iterator, *args, **kwargs)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      target = kwargs.get("abstract_unboxed_pre_state", args[3] if len(args) > 3 else None)
+      mismatch = shape_mismatch(str(checkpoint_manager.directory), step, checkpoint_dict(target))
+      if mismatch:
+        raise RestoreFailed(f"the checkpoint of step {step} at {str(checkpoint_manager.directory).rstrip('/')}/{step} "
+                            f"does not fit this config: {mismatch}; train this config under a new run_name, or "
+                            "resume with the settings the run was started with.") from exc
+      raise restore_failed(checkpoint_manager, step, first_line(root_cause(exc)), verify,
+                           failures.is_transient(exc)) from exc
+    bad = nonfinite_leaves(restored.get("items") if isinstance(restored, dict) else restored)
+    if bad:
+      cause = (f"it restored with NaN/Inf in {', '.join(bad)} (its files changed after the save, or it was saved "
+               "so by a run without temoe's finite check)")
+      raise restore_failed(checkpoint_manager, step, cause, verify)
+    return restored, params
+
+  _installed["load"] = original_load
+  checkpointing.load_state_if_possible = load_state_if_possible
+
+
+def checkpoint_dict(abstract_state):
+  """The restore target in the layout MaxText stores (its Linen on-disk dict for an NNX state)."""
+  from maxtext.common import train_state_nnx  # pylint: disable=import-outside-toplevel
+
+  try:
+    return train_state_nnx.to_checkpoint_dict(abstract_state)
+  except Exception:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    return abstract_state
+
+
 def install() -> None:
-  """Wraps MaxText's save_checkpoint and wait_until_finished (once)."""
+  """Wraps MaxText's save_checkpoint, wait_until_finished and load_state_if_possible (once)."""
   if _installed:
     return
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
@@ -151,7 +298,7 @@ def install() -> None:
       raise failures.TrainingStopped(
           f"the checkpoint of step {step} could not be written{' to ' + directory if directory else ''}: "
           f"{err.strerror}; nothing of it is listed as a step. Free space or fix the mount, then run again with "
-          "the same run_name to resume."
+          "the same run_name to resume.", write_exit_code(err)
       ) from exc
     for directory in list(_pending):
       record_committed(directory, wait=True)
@@ -159,12 +306,14 @@ def install() -> None:
   _installed.update(save=original_save, wait=original_wait)
   checkpointing.save_checkpoint = save_checkpoint
   checkpointing.wait_until_finished = wait_until_finished
+  install_restore(checkpointing)
 
 
 def missing_seams() -> list[str]:
   """The MaxText functions this module (and `failures`) hook that the installed MaxText lacks."""
   from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
 
-  missing = [f"checkpointing.{name}" for name in ("save_checkpoint", "wait_until_finished", "maybe_save_checkpoint")
+  missing = [f"checkpointing.{name}" for name in ("save_checkpoint", "wait_until_finished", "maybe_save_checkpoint",
+                                                  "load_state_if_possible", "latest_step")
              if not callable(getattr(checkpointing, name, None))]
   return missing + failures.missing_seams()

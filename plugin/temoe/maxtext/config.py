@@ -2,7 +2,7 @@
 
 MaxText's `pyconfig.initialize(argv, config_class=...)` accepts a subclass; temoe's widens
 `te_gmm_quantization` to temoe's recipes and `model_name` to temoe's model shapes, adds
-`te_moe_backend` and `te_moe_check_finite`, and lifts the two te_moe_block restrictions MaxText
+`te_moe_backend`, `te_moe_check_finite` and the run's `te_allow_short_rows` / `te_resume_step`, and lifts the two te_moe_block restrictions MaxText
 has only because TE's moe() lacks the features. MaxText's own validation still runs, and temoe's
 checks for te_moe_block=true run right after it: before anything compiles.
 """
@@ -52,6 +52,14 @@ def temoe_config_class():
     )
     te_moe_check_finite: bool = pydantic.Field(
         False, description="Stop the step, naming the MoE layer, on a NaN/Inf in its output or incoming gradient."
+    )
+    te_allow_short_rows: bool = pydantic.Field(
+        False, description="With packing=false, train on token rows shorter than max_target_length (MaxText pads "
+        "them; the pad id is masked from the loss). Default: temoe's preflight refuses them, naming the row."
+    )
+    te_resume_step: int = pydantic.Field(
+        -1, description="Resume from this checkpoint step of the run: temoe checks it and moves every later step "
+        "to <run>/temoe-set-aside/ (nothing is deleted), so MaxText restores it. -1: MaxText's latest."
     )
 
     @pydantic.field_validator("te_gmm_quantization", mode="before")

@@ -1,12 +1,21 @@
-"""How a `temoe train` that fails says so: non-zero, one line, after keeping what is good.
+"""How a `temoe train` that fails says so: one line, an exit code per `temoe.exits`, after keeping
+what is good.
 
-Two MaxText 0.2.5 functions decide how failures look:
+Four MaxText 0.2.5 functions decide how failures and stops look:
 
 - `train.training_loop_iteration`: MaxText turns a failed or exhausted data read into
   `StopTraining`, which its loop logs as INFO and treats as success (exit 0, no final
   checkpoint). Wrapped, the step is known: a data failure saves the state of the last finished
-  step (it is good: the failing step never ran) and raises `TrainingStopped`; a preemption
-  (SIGTERM, already checkpointed by MaxText) too. A target loss reached stays a success.
+  step (it is good: the failing step never ran) and raises `TrainingStopped`. After each step
+  the wrapper asks `temoe.run.preemption` whether a SIGTERM/SIGINT stops the run there; if so it
+  saves that step synchronously and raises `TrainingStopped` with the requeue code. A target
+  loss reached stays a success.
+- `checkpointing.reached_preemption`: MaxText's own stop at JAX's preemption sync point raises
+  inside the step, after the step's input state was donated and before its new state and
+  metrics are kept, and saves nothing unless enable_autocheckpoint; temoe answers it with False
+  and stops after the step instead (above), checkpointing it whatever enable_autocheckpoint says.
+- `train.get_first_step`: the step training starts at, known after the restore and before the
+  compile: from there on a signal stops the run after a step (`preemption.training_starts`).
 - `pyconfig._handle_config_exception`: logs a five-line error block (and exits 2 outside
   tests) before anyone can print the error once; replaced by a plain re-raise.
 
@@ -15,7 +24,11 @@ Two MaxText 0.2.5 functions decide how failures look:
 
 from __future__ import annotations
 
+import errno
 import functools
+
+from temoe import exits
+from temoe.oneline import first_line
 
 progress: dict = {}
 """step (the one running), steps (asked), start (first of this run): set while MaxText trains."""
@@ -24,69 +37,124 @@ _installed: dict = {}
 
 
 class TrainingStopped(RuntimeError):
-  """Training ended short of `steps`; the message is the one line to print (exit code 1)."""
+  """Training ended short of `steps`; the message is the one line to print, `exit_code` per temoe.exits."""
+
+  def __init__(self, message: str, exit_code: int = exits.NEEDS_PERSON):
+    super().__init__(message)
+    self.exit_code = exit_code
 
 
-def first_line(exc: BaseException) -> str:
-  text = str(exc).strip()
-  return f"{type(exc).__name__}: {text.splitlines()[0][:400]}" if text else type(exc).__name__
+TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTUNREACH,
+                    errno.ENETUNREACH, errno.ESTALE, errno.EAGAIN}
+"""OS errors a retry can fix (a storage or network hiccup), as opposed to a full or read-only disk."""
 
 
-def data_stop(exc: BaseException) -> str:
-  """What went wrong with the data, from the exception MaxText's loader_exception_guard turned into StopTraining."""
+def is_transient(exc: BaseException | None) -> bool:
+  while exc is not None:
+    if isinstance(exc, OSError) and exc.errno in TRANSIENT_ERRNOS:
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+def data_stop(exc: BaseException) -> tuple[str, int]:
+  """(what went wrong with the data, the exit code), from the exception MaxText's loader_exception_guard
+  turned into StopTraining."""
   cause = exc.__cause__ or exc.__context__
   if isinstance(cause, StopIteration):
-    return "the training data ran out (grain_train_files has fewer batches than steps asks for)"
-  return f"the training data could not be read ({first_line(cause)})"
+    return "the training data ran out (grain_train_files has fewer batches than steps asks for)", exits.NEEDS_PERSON
+  from temoe import recipes  # pylint: disable=import-outside-toplevel
+
+  if isinstance(cause, recipes.TemoeConfigError):  # temoe's check of the batch (temoe.run.tokens)
+    return str(cause).rstrip("."), exits.NEEDS_PERSON
+  code = exits.REQUEUE if is_transient(cause) else exits.NEEDS_PERSON
+  return f"the training data could not be read ({first_line(cause)})", code
 
 
 def stopped(exc: BaseException, jax_device_state: dict, python_vars: dict, immutable_data: dict) -> TrainingStopped | None:
   """The TrainingStopped for MaxText's StopTraining `exc`, after saving what is good; None for a success."""
-  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
-
-  config = immutable_data["config"]
   step, steps = int(python_vars["step"]), int(immutable_data["steps"])
   reason = str(exc)
   if reason.startswith("Target loss"):
     return None
+  what, code = data_stop(exc)
   manager = python_vars["checkpoint_manager"]
-  if "termination signal" in reason:
-    what, kept = "the job received SIGTERM (preemption)", "MaxText saved a checkpoint of it"
-  else:
-    what = data_stop(exc)
-    kept = "no checkpoint (checkpointing is off)"
-    if manager is not None and step > int(immutable_data["start_step"]):
-      checkpointing.maybe_save_checkpoint(manager, jax_device_state["state"], config, python_vars["data_iterator"])
-      checkpointing.wait_until_finished(manager)
-      kept = f"checkpoint step {step - 1} saved"
-    elif manager is not None:
-      kept = "nothing new to checkpoint"
-  return TrainingStopped(f"training stopped at step {step} of {steps}: {what}; {kept}.")
+  kept = "no checkpoint (checkpointing is off)"
+  if manager is not None and step > int(immutable_data["start_step"]):
+    kept = save_last(jax_device_state, python_vars, immutable_data, step - 1)
+  elif manager is not None:
+    kept = "nothing new to checkpoint"
+  return TrainingStopped(f"training stopped at step {step} of {steps}: {what}; {kept}.", code)
+
+
+def save_last(jax_device_state: dict, python_vars: dict, immutable_data: dict, step: int) -> str:
+  """Checkpoints the state after `step` (MaxText's final save: skipped if that step is saved already)
+  and waits until it and any asynchronous save in flight are committed; says what it kept."""
+  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+
+  manager = python_vars["checkpoint_manager"]
+  checkpointing.maybe_save_checkpoint(manager, jax_device_state["state"], immutable_data["config"],
+                                      python_vars["data_iterator"])
+  checkpointing.wait_until_finished(manager)
+  return f"checkpoint step {step} saved"
+
+
+def preempted(jax_device_state: dict, python_vars: dict, immutable_data: dict) -> TrainingStopped:
+  """Saves the step that just ran (synchronously) and says how the run stopped (exit code: requeue)."""
+  from temoe.run import preemption  # pylint: disable=import-outside-toplevel
+
+  step, steps = int(python_vars["step"]), int(immutable_data["steps"])
+  kept = "no checkpoint (checkpointing is off)"
+  if python_vars["checkpoint_manager"] is not None:
+    kept = save_last(jax_device_state, python_vars, immutable_data, step)
+  signal = preemption.received() or "a SIGTERM or SIGINT to a process of the job"  # JAX's handler took it
+  return TrainingStopped(
+      f"training stopped after step {step} of {steps}: {signal} (preemption or a stop request); {kept}. "
+      f"Exit {exits.REQUEUE} (requeue): the same run_name resumes from it.", exits.REQUEUE)
 
 
 def install_train_loop() -> None:
-  """Wraps MaxText's training_loop_iteration (once)."""
+  """Wraps MaxText's training_loop_iteration, get_first_step and reached_preemption (once)."""
   if "iteration" in _installed:
     return
+  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train  # pylint: disable=import-outside-toplevel
   from maxtext.utils import exceptions  # pylint: disable=import-outside-toplevel
 
-  original = train.training_loop_iteration
+  from temoe.run import preemption  # pylint: disable=import-outside-toplevel
+
+  original, original_first_step = train.training_loop_iteration, train.get_first_step
 
   @functools.wraps(original)
   def training_loop_iteration(jax_device_state, python_vars, immutable_data):
-    progress.update(step=int(python_vars["step"]), steps=int(immutable_data["steps"]),
-                    start=int(immutable_data["start_step"]))
+    step = int(python_vars["step"])
+    progress.update(step=step, steps=int(immutable_data["steps"]), start=int(immutable_data["start_step"]))
     try:
-      return original(jax_device_state, python_vars, immutable_data)
+      metrics = original(jax_device_state, python_vars, immutable_data)
     except exceptions.StopTraining as exc:
       failure = stopped(exc, jax_device_state, python_vars, immutable_data)
       if failure is None:
         raise
       raise failure from exc
+    if preemption.due(step) and step + 1 < int(immutable_data["steps"]):  # the last step: the run just ends
+      raise preempted(jax_device_state, python_vars, immutable_data)
+    return metrics
 
-  _installed["iteration"] = original
+  @functools.wraps(original_first_step)
+  def get_first_step(*args, **kwargs):
+    start = original_first_step(*args, **kwargs)
+    preemption.training_starts(int(start))
+    return start
+
+  def reached_preemption(checkpoint_manager, step):
+    """temoe stops a preempted run after the step (`training_loop_iteration` above), never inside it."""
+    del checkpoint_manager, step
+    return False
+
+  _installed.update(iteration=original, first_step=original_first_step, reached=checkpointing.reached_preemption)
   train.training_loop_iteration = training_loop_iteration
+  train.get_first_step = get_first_step
+  checkpointing.reached_preemption = reached_preemption
 
 
 def install_quiet_config_errors() -> None:
@@ -109,8 +177,12 @@ def missing_seams() -> list[str]:
   from maxtext.utils import exceptions  # pylint: disable=import-outside-toplevel
 
   missing = [] if callable(getattr(pyconfig, "_handle_config_exception", None)) else ["pyconfig._handle_config_exception"]
-  if not callable(getattr(train, "training_loop_iteration", None)):
-    missing.append("train.training_loop_iteration")
+  missing += [f"train.{name}" for name in ("training_loop_iteration", "get_first_step")
+              if not callable(getattr(train, name, None))]
+  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+
+  if not callable(getattr(checkpointing, "reached_preemption", None)):
+    missing.append("checkpointing.reached_preemption")
   if not isinstance(getattr(exceptions, "StopTraining", None), type):
     missing.append("exceptions.StopTraining")
   return missing

@@ -75,6 +75,9 @@ def check_maxtext() -> None:
   from temoe.maxtext import checkpointing  # pylint: disable=import-outside-toplevel
 
   missing += checkpointing.missing_seams()  # save_checkpoint, wait_until_finished, training_loop_iteration, ...
+  from temoe.maxtext import batches  # pylint: disable=import-outside-toplevel
+
+  missing += batches.missing_seams()
   if missing:
     raise TemoeSeamError(f"MaxText {installed} lacks the seams temoe hooks: {', '.join(missing)}.")
 

@@ -84,6 +84,30 @@ def check_settings(settings: list[str], usage: str) -> None:
       raise InputError(unknown_key_message(key, fields))
     if fields[key].annotation is bool and value.strip().lower() not in BOOLEANS:
       raise InputError(f"{key}={value} is not a boolean; valid choices: true, false.")
+    check_number(key, value, fields[key].annotation)
+
+
+POSITIVE = ("steps", "per_device_batch_size", "max_target_length", "gradient_accumulation_steps")
+"""Keys whose values must be greater than 0 (MaxText lets 0 and negatives through, and JAX fails late
+or, in `temoe plan` and the FLOP count, computes nonsense)."""
+
+
+def check_number(key: str, value: str, annotation) -> None:
+  """A number for an int/float key is finite, and positive for the POSITIVE keys."""
+  import math  # pylint: disable=import-outside-toplevel
+  import typing  # pylint: disable=import-outside-toplevel
+
+  kinds = set(typing.get_args(annotation)) | {annotation}
+  if not kinds & {int, float}:
+    return
+  try:
+    number = float(value)
+  except ValueError:
+    return  # MaxText's own validation names a value that is no number
+  if not math.isfinite(number):
+    raise InputError(f"{key}={value} is not a finite number.")
+  if key in POSITIVE and not number > 0:
+    raise InputError(f"{key}={value} must be greater than 0.")
 
 
 BOOLEANS = {"true", "false", "1", "0", "yes", "no", "on", "off", "t", "f", "y", "n"}

@@ -1,16 +1,23 @@
 """One `temoe train` per run directory: a lock file beside MaxText's checkpoints.
 
 Two runs with the same base_output_directory and run_name would write the same checkpoint steps,
-and MaxText lets the second replace the first's. The lock (`<run dir>/temoe.lock`, created with
-O_EXCL) records who holds it: host, pid, start time, Slurm job. A holder refreshes its mtime every
-`HEARTBEAT_S`; a lock is stale when its holder is gone: a dead pid on this host, a lock not
-refreshed for `STALE_S` on another, or an earlier attempt of this same Slurm job (a requeue). The
-job's first process takes it; its other processes write into the same run by design.
+and MaxText lets the second replace the first's. The lock (`<run dir>/temoe.lock`) records who
+holds it: host, pid, start time, Slurm job. A holder refreshes its mtime every `HEARTBEAT_S`; a
+lock is stale when its holder is gone: a dead pid on this host, a lock not refreshed for
+`STALE_S` on another, or an earlier attempt of this same Slurm job (a requeue). The job's first
+process takes it; its other processes write into the same run by design.
+
+Taking it is atomic: the whole decision (create it with O_EXCL, or read it, judge it stale and
+replace it) happens under an exclusive flock of `temoe.lock.guard`, so two processes that find
+the same stale lock cannot both take it over. The kernel drops a flock when its process dies, so
+the guard is never stale itself; a filesystem without flock falls back to the decision alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import fcntl
 import json
 import os
 import socket
@@ -102,13 +109,48 @@ class RunLock:
 
   def release(self) -> None:
     self._stop.set()
+    with guard(self.path):
+      if read(self.path)[0] == self.info:
+        os.unlink(self.path)
+
+
+@contextlib.contextmanager
+def guard(path: str):
+  """Holds an exclusive flock of `<path>.guard` (a file never removed) for one lock decision."""
+  try:
+    fd = os.open(f"{path}.guard", os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError:
+    yield
+    return
+  try:
     try:
-      with open(self.path, encoding="utf-8") as f:
-        mine = json.load(f) == self.info
-    except (OSError, ValueError):
-      return
-    if mine:
-      os.unlink(self.path)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # no flock on this filesystem: the decision alone
+      pass
+    yield
+  finally:
+    os.close(fd)  # drops the flock
+
+
+def read(path: str) -> tuple[dict | None, float]:
+  """(the holder recorded in the lock file or {} if unreadable, its age in s); (None, 0) if there is none."""
+  try:
+    age = time.time() - os.stat(path).st_mtime
+    with open(path, encoding="utf-8") as f:
+      holder = json.load(f)
+    return (holder if isinstance(holder, dict) else {}), age
+  except FileNotFoundError:
+    return None, 0.0
+  except (OSError, ValueError):
+    return {}, age
+
+
+def write(path: str, info: dict) -> None:
+  """Replaces the lock file with `info` in one rename (a reader never sees it half-written)."""
+  tmp = f"{path}.tmp-{info['pid']}"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(info, f)
+  os.replace(tmp, path)
 
 
 def acquire(run_dir: str, environ=os.environ) -> RunLock | None:
@@ -118,35 +160,15 @@ def acquire(run_dir: str, environ=os.environ) -> RunLock | None:
   os.makedirs(run_dir, exist_ok=True)
   path = os.path.join(run_dir, LOCK_NAME)
   me = holder_info(environ)
-  for _ in range(3):
-    try:
-      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-      try:
-        with open(path, encoding="utf-8") as f:
-          holder = json.load(f)
-        age = time.time() - os.stat(path).st_mtime
-      except FileNotFoundError:
-        continue  # released meanwhile
-      except (OSError, ValueError):
-        holder, age = {}, time.time() - os.stat(path).st_mtime
-        if age < HEARTBEAT_S:  # being written right now
-          time.sleep(0.2)
-          continue
-      reason = stale_reason(holder, age, me) if holder else "it is unreadable"
+  with guard(path):
+    holder, age = read(path)
+    if holder is not None:
+      reason = stale_reason(holder, age, me) if holder else "it is unreadable"  # written whole, by rename
       if reason is None:
         raise RunLocked(
-            f"run directory {run_dir} is in use by another temoe train ({describe(holder)}); wait for it to end, "
-            f"pass another run_name, or, if that run is gone, delete {path}."
+            f"run directory {run_dir} is in use by another temoe train ({describe(holder)}); wait for it to "
+            f"end, pass another run_name, or, if that run is gone, delete {path}."
         )
       print(f"temoe: taking over the stale run lock {path} ({reason})", file=sys.stderr, flush=True)
-      try:
-        os.replace(path, f"{path}.stale-{me['pid']}")
-        os.unlink(f"{path}.stale-{me['pid']}")
-      except FileNotFoundError:
-        pass
-      continue
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      json.dump(me, f)
-    return RunLock(path, me)
-  raise RunLocked(f"could not take the run lock {path}: it changed hands while this run started; try again.")
+    write(path, me)
+  return RunLock(path, me)

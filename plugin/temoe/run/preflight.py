@@ -11,7 +11,11 @@
 - Less free disk than one checkpoint of this train state (its size as `temoe plan` computes it,
   from MaxText's abstract state), and a second run holding the run directory (`temoe.run.lock`).
 - A latest checkpoint whose files differ from the checksums recorded at save (`temoe.run.checksums`),
-  or whose Grain iterator state is missing.
+  or whose Grain iterator state is missing; with `te_resume_step=N`, step N instead, the later
+  steps moved aside (`set_aside`).
+- Token ids outside [0, vocab_size), nulls, wrong types, short rows (`temoe.run.tokens`).
+- A checkpoint or TensorBoard directory that is not a writable directory.
+- A run that already finished (its latest checkpoint is its last step): `RunFinished`, exit 0.
 
 Each check raises `PreflightError` (a `TemoeConfigError`, so `temoe train` prints one line and
 exits 2) naming what to do. They read what MaxText would read, with MaxText's and Orbax's own
@@ -22,11 +26,15 @@ from __future__ import annotations
 
 import os
 
-from temoe import recipes
+from temoe import oneline, recipes
 
 
 class PreflightError(recipes.TemoeConfigError):
   """A run that would fail in MaxText later, and less clearly."""
+
+
+class RunFinished(Exception):
+  """The run asked for has already run all its steps (a requeue of a finished job): nothing to do."""
 
 
 _held: list = []  # the run lock check(lock_run=True) took, until release()
@@ -39,21 +47,36 @@ def check(maxtext_args: list[str], lock_run: bool = False):
   that read the run's checkpoints.
   """
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
-  from temoe.run import datacheck, lock  # pylint: disable=import-outside-toplevel
+  from temoe.run import datacheck, lock, preemption, tokens  # pylint: disable=import-outside-toplevel
 
   config = introspect.initialize_config(["temoe train", *maxtext_args], log_config=False)  # MaxText logs it once, itself
   check_values(config)
   check_run_name(config.run_name)
   check_output_dir(config.base_output_directory, config.run_name)
   check_metrics_file(config.metrics_file)
+  check_tensorboard_dir(config)
   datacheck.check(config)
+  tokens.check(config)
   if lock_run:
     held = lock.acquire(os.path.join(config.base_output_directory, config.run_name))
     if held is not None:
       _held.append(held)
+  latest = None
   if config.enable_checkpointing:
-    check_latest_checkpoint(config.checkpoint_dir, expect_iterator=config.dataset_type == "grain")
+    check_writable_dir(config.checkpoint_dir, "the checkpoint directory")
+    iterator = config.dataset_type == "grain"
+    if config.te_resume_step >= 0 and not resumed_before(config.checkpoint_dir, config.te_resume_step):
+      latest = resume_from(config.checkpoint_dir, config.te_resume_step, iterator, move=lock_run)
+    else:
+      latest = check_latest_checkpoint(config.checkpoint_dir, expect_iterator=iterator)
+    if latest is not None and latest + 1 >= config.steps:
+      raise RunFinished(
+          f"run {os.path.join(config.base_output_directory, config.run_name)} has finished: its latest checkpoint is "
+          f"step {latest}, the last of steps={config.steps}; nothing to do (pass steps > {latest + 1} to train on, or "
+          "another run_name to start afresh)."
+      )
     check_disk_space(config)
+  preemption.sync_from(latest + 1 if latest is not None else 0)
   return config
 
 
@@ -65,11 +88,18 @@ def release() -> None:
 
 def check_values(config) -> None:
   """Values MaxText's validation lets through and JAX fails on later, after compiling."""
-  positive = {"steps": config.steps, "per_device_batch_size": config.per_device_batch_size,
-              "max_target_length": config.max_target_length}
-  for key, value in positive.items():
-    if not value > 0:
-      raise PreflightError(f"{key}={value} must be greater than 0.")
+  check_numbers(config)
+  check_mesh(config)
+
+
+def check_numbers(config) -> None:
+  """Sizes and counts that must be positive, and the MoE routing numbers, whatever set them (YAML or argument)."""
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  for key in inputs.POSITIVE:
+    value = getattr(config, key)
+    if not 0 < value < float("inf"):
+      raise PreflightError(f"{key}={value} must be greater than 0 (and finite).")
   if config.num_experts > 1:
     if not 1 <= config.num_experts_per_tok <= config.num_experts:
       raise PreflightError(
@@ -90,7 +120,6 @@ def check_values(config) -> None:
           f"num_experts_per_tok={config.num_experts_per_tok} exceeds the experts of the topk_routing_group="
           f"{config.topk_routing_group} groups picked ({config.num_experts // groups} each)."
       )
-  check_mesh(config)
 
 
 def check_mesh(config) -> None:
@@ -197,6 +226,115 @@ def check_output_dir(base_output_directory: str, run_name: str) -> None:
     ) from exc
 
 
+def check_writable_dir(path: str, what: str) -> None:
+  """`path` (local) is, or can be made as, a directory this process can create files in: a probe file
+  is made and removed in it, or in the nearest directory above it that exists (nothing is left)."""
+  if "://" in path:
+    return
+  local = os.path.normpath(path)  # "a-file/" would not exist, and makedirs would then fail with EEXIST
+  existing = local
+  while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+    existing = os.path.dirname(existing)
+  probe = os.path.join(existing, f".temoe-probe-{os.getpid()}")
+  try:
+    if not os.path.isdir(existing):
+      raise NotADirectoryError(20, "Not a directory")
+    with open(probe, "w", encoding="utf-8"):
+      pass
+    os.unlink(probe)
+  except OSError as exc:
+    raise PreflightError(
+        f"{what} {path} is not a writable directory ({exc.strerror or exc}); fix its permissions or mount, or point "
+        "base_output_directory elsewhere."
+    ) from exc
+
+
+def check_tensorboard_dir(config) -> None:
+  """MaxText's TensorBoard writer makes tensorboard_dir after the model is built; a file there fails it."""
+  if config.enable_tensorboard and config.tensorboard_dir:
+    check_writable_dir(config.tensorboard_dir, "tensorboard_dir")
+
+
+SET_ASIDE = "temoe-set-aside"
+"""Where `te_resume_step` moves the steps after the one resumed from (beside checkpoints/, in the run)."""
+
+
+def resume_from(checkpoint_dir: str, step: int, expect_iterator: bool, move: bool) -> int:
+  """Checks committed step `step` and, if `move`, sets every later step aside so MaxText restores it."""
+  steps = finalized_steps(checkpoint_dir)
+  if step not in steps:
+    raise PreflightError(
+        f"te_resume_step={step}: {checkpoint_dir} has no committed step {step}; its steps: "
+        f"{', '.join(map(str, steps)) or 'none'}."
+    )
+  problem = step_problem(checkpoint_dir, step, expect_iterator)
+  if problem:
+    raise PreflightError(f"te_resume_step={step}: checkpoint {checkpoint_dir.rstrip('/')}/{step} cannot be read: "
+                         f"{problem}; {newest_verified_hint(checkpoint_dir, step, expect_iterator)}")
+  later = [s for s in steps if s > step]
+  if move:
+    where = set_aside(checkpoint_dir, later)
+    with open(os.path.join(os.path.dirname(where), f"resumed-from-{step}"), "w", encoding="utf-8") as f:
+      f.write(f"{os.path.basename(where)}\n")  # done once: a requeue with the same arguments resumes from the latest
+  return step
+
+
+def resumed_before(checkpoint_dir: str, step: int) -> bool:
+  """Whether `te_resume_step=step` was applied to this run already (it then resumes from its latest)."""
+  return os.path.exists(os.path.join(os.path.dirname(os.path.normpath(checkpoint_dir)), SET_ASIDE,
+                                     f"resumed-from-{step}"))
+
+
+def set_aside(checkpoint_dir: str, steps: list[int]) -> str:
+  """Moves committed steps (and their checksum records) out of the checkpoint directory; returns where."""
+  import datetime  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
+
+  from temoe.run import checksums  # pylint: disable=import-outside-toplevel
+
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  where = os.path.join(os.path.dirname(os.path.normpath(checkpoint_dir)), SET_ASIDE, stamp)
+  os.makedirs(where, exist_ok=True)
+  if not steps:
+    return where
+  records = checksums.records_dir(checkpoint_dir)
+  for step in steps:
+    shutil.move(os.path.join(checkpoint_dir, str(step)), os.path.join(where, str(step)))
+    for name in os.listdir(records) if os.path.isdir(records) else []:
+      if name.startswith(f"{step}.process_"):
+        shutil.move(os.path.join(records, name), os.path.join(where, name))
+  print(f"temoe: te_resume_step: moved checkpoint step(s) {', '.join(map(str, steps))} to {where}", flush=True)
+  return where
+
+
+def step_problem(checkpoint_dir: str, step: int, expect_iterator: bool = False) -> str | None:
+  """Why committed step `step` cannot be restored as saved (unreadable, or unlike its checksums), or None."""
+  from temoe.run import checksums  # pylint: disable=import-outside-toplevel
+
+  problem = unreadable(f"{checkpoint_dir.rstrip('/')}/{step}", expect_iterator)
+  if problem is None and "://" not in checkpoint_dir:
+    changed = checksums.mismatch(checkpoint_dir, step)
+    problem = f"{changed} (checksums recorded at save)" if changed else None
+  return problem
+
+
+def newest_verified(checkpoint_dir: str, below: int, expect_iterator: bool = False) -> int | None:
+  """The newest committed step before `below` that reads and matches its checksums, or None."""
+  for step in reversed([s for s in finalized_steps(checkpoint_dir) if s < below]):
+    if step_problem(checkpoint_dir, step, expect_iterator) is None:
+      return step
+  return None
+
+
+def newest_verified_hint(checkpoint_dir: str, below: int, expect_iterator: bool = False) -> str:
+  """What to do instead: resume from the newest earlier step that verifies, or start afresh."""
+  good = newest_verified(checkpoint_dir, below, expect_iterator)
+  if good is None:
+    return "no earlier step verifies: pass a new run_name to start afresh."
+  return (f"the newest earlier step that verifies is {good}: pass te_resume_step={good} to resume from it (later steps "
+          f"are moved to {SET_ASIDE}/), or a new run_name to start afresh.")
+
+
 def finalized_steps(checkpoint_dir: str) -> list[int]:
   """Committed checkpoint steps, ascending, as Orbax lists them (in-flight saves excluded)."""
   from etils import epath  # pylint: disable=import-outside-toplevel
@@ -207,22 +345,14 @@ def finalized_steps(checkpoint_dir: str) -> list[int]:
 
 def check_latest_checkpoint(checkpoint_dir: str, expect_iterator: bool = False) -> int | None:
   """The step MaxText will restore, if any, after checking Orbax can read it and it is what was saved."""
-  from temoe.run import checksums  # pylint: disable=import-outside-toplevel
-
   steps = finalized_steps(checkpoint_dir)
   if not steps:
     return None
-  step_dir = f"{checkpoint_dir.rstrip('/')}/{steps[-1]}"
-  problem = unreadable(step_dir, expect_iterator)
-  if problem is None and "://" not in checkpoint_dir:
-    changed = checksums.mismatch(checkpoint_dir, steps[-1])
-    problem = f"{changed} (checksums recorded at save)" if changed else None
+  problem = step_problem(checkpoint_dir, steps[-1], expect_iterator)
   if problem:
-    earlier = f"the one before it is step {steps[-2]}" if len(steps) > 1 else "there is no earlier one"
     raise PreflightError(
-        f"the latest checkpoint {step_dir}, which MaxText would restore, cannot be read: {problem}. "
-        f"Move that step directory away to resume from an earlier checkpoint ({earlier}), "
-        "or pass a new run_name to start afresh."
+        f"the latest checkpoint {checkpoint_dir.rstrip('/')}/{steps[-1]}, which MaxText would restore, cannot be read: "
+        f"{problem}; {newest_verified_hint(checkpoint_dir, steps[-1], expect_iterator)}"
     )
   return steps[-1]
 
@@ -287,5 +417,4 @@ def unreadable_chunk(ocdbt_dir: str) -> str | None:
 
 def first_line(exc: BaseException) -> str:
   """The message's first line, without TensorStore's spec dump."""
-  text = str(exc).strip().split(" [tensorstore_spec=")[0]
-  return text.splitlines()[0][:300] if text else type(exc).__name__
+  return oneline.first_line(exc, 300).removeprefix(f"{type(exc).__name__}: ")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from temoe import hardware
+from temoe import hardware, oneline
 from temoe.tools import model_size
 
 MODELLED_BLOCKS = ("deepseek", "mixtral", "qwen3_moe", "mistral", "llama2", "qwen3")
@@ -159,6 +159,7 @@ def summary(c, device_kind: str | None = None, gpu: str | None = None) -> dict:
   }
 
 
+@oneline.guarded("temoe flops")
 def main(argv: list[str] | None = None) -> int:
   """`python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu H200]`: the count and MaxText's figure."""
   import json  # pylint: disable=import-outside-toplevel
@@ -178,7 +179,21 @@ def main(argv: list[str] | None = None) -> int:
   except inputs.InputError as exc:
     print(f"temoe flops: {exc}", file=sys.stderr)
     return 2
-  print(json.dumps(summary(introspect.initialize_config(["flops", *argv]), gpu=gpu), indent=1))
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
+  from temoe.run import preflight  # pylint: disable=import-outside-toplevel
+
+  try:
+    failures.install_quiet_config_errors()
+    config = introspect.initialize_config(["flops", *argv])
+    preflight.check_numbers(config)  # a negative batch would count negative FLOPs
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    message = cli.config_error_message(exc)
+    if message is None:
+      raise
+    print(f"temoe flops: {message}", file=sys.stderr)
+    return 2
+  print(json.dumps(summary(config, gpu=gpu), indent=1))
   return 0
 
 

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any
 
-from temoe import hardware
+from temoe import hardware, oneline
 
 STAND_IN_CUBLAS = (13, 4, 0)  # what a current NGC JAX image loads; only temoe's recipe checks read it
 
@@ -33,8 +33,12 @@ STATELESS_TE_QUANTIZATION = ("te_fp8_currentscaling", "te_mxfp8")
 TOLERANCE = 0.15
 """How far an estimate may be from a measured peak (tests, bench/plan_check.py)."""
 
+MAX_HBM_GIB, MAX_DEVICES = 1e6, 1 << 20
+"""Bounds of a sane --hbm-gib and --devices/--slices (inf or 10^12 devices are typos, not plans)."""
+
+
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-  parser = argparse.ArgumentParser(prog="temoe plan", description=__doc__.splitlines()[0])
+  parser = oneline.ArgumentParser(prog="temoe plan", description=__doc__.splitlines()[0])
   parser.add_argument("config", help="MaxText config YAML (as for temoe train)")
   parser.add_argument("--hbm-gib", type=float, help="device memory to fit in (default: this GPU's, else --gpu's)")
   parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
@@ -56,11 +60,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     inputs.check_settings(rest, "temoe plan <config.yml> [key=value ...] [--devices N] [--slices N]")
   except inputs.InputError as exc:
     raise PlanInputError(str(exc)) from exc
-  if args.hbm_gib is not None and not args.hbm_gib > 0:
-    raise PlanInputError(f"--hbm-gib={args.hbm_gib} must be a positive number of GiB")
+  if args.hbm_gib is not None and not 0 < args.hbm_gib <= MAX_HBM_GIB:
+    raise PlanInputError(f"--hbm-gib={args.hbm_gib} must be a positive number of GiB, finite and at most {MAX_HBM_GIB:g}")
   for flag in ("devices", "slices"):
-    if getattr(args, flag) is not None and getattr(args, flag) < 1:
-      raise PlanInputError(f"--{flag}={getattr(args, flag)} must be at least 1")
+    if getattr(args, flag) is not None and not 1 <= getattr(args, flag) <= MAX_DEVICES:
+      raise PlanInputError(f"--{flag}={getattr(args, flag)} must be at least 1 and at most {MAX_DEVICES:,}")
   if args.sweep and not args.devices:
     raise PlanInputError("--sweep plans layouts of a job: pass its --devices N (and --slices S)")
   if args.slices:
@@ -211,6 +215,7 @@ def table(p: Plan) -> str:
   return "\n".join(lines)
 
 
+@oneline.guarded("temoe plan")
 def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning on a GPU takes none of its memory

@@ -18,7 +18,6 @@ compute op runs (exposed communication), so the categories add up to the device'
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
@@ -28,6 +27,7 @@ import statistics
 import sys
 import tempfile
 
+from temoe import oneline
 from temoe.maxtext import scopes
 from temoe.tools import flops
 
@@ -323,7 +323,7 @@ def argument_problem(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="temoe profile", description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser = oneline.ArgumentParser(prog="temoe profile", description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("config", nargs="?", help="MaxText config (.yml); or use --trace")
   parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
   parser.add_argument("--out", default=None, help="run directory (default runs/profile-<config>)")
@@ -338,8 +338,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"temoe profile: {problem}", file=sys.stderr)
     return 2
   if args.trace:
-    result = breakdown(latest_trace(args.trace), args.steps)
-    out = args.out or os.path.dirname(latest_trace(args.trace))
+    try:
+      trace = latest_trace(args.trace)
+      result = breakdown(trace, args.steps)
+    except FileNotFoundError as exc:
+      print(str(exc), file=sys.stderr)
+      return 2
+    except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+      oneline.print_traceback(exc)
+      print(f"temoe profile: --trace {trace} is not a profile JAX can read ({oneline.first_line(exc, 200)})",
+            file=sys.stderr)
+      return 2
+    out = args.out or os.path.dirname(trace)
   elif args.config and args.config.endswith((".yml", ".yaml")):
     name = os.path.splitext(os.path.basename(args.config))[0]
     out = args.out or os.path.join("runs", f"profile-{name}")

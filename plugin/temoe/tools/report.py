@@ -10,7 +10,6 @@ the GPU peak come from the run's profile.json, or from `--config <yml> [key=valu
 
 from __future__ import annotations
 
-import argparse
 import base64
 import collections
 import glob
@@ -22,6 +21,7 @@ import statistics
 import struct
 import sys
 
+from temoe import oneline
 from temoe.tools import flops
 
 from temoe.tools import profiling
@@ -39,9 +39,17 @@ def tensorboard_rows(run_dir: str) -> list[dict]:
   for path in glob.glob(os.path.join(run_dir, "**", "events.out.tfevents*"), recursive=True):
     with open(path, "rb") as f:
       while header := f.read(12):  # uint64 length, uint32 length crc; data; uint32 data crc
-        data = f.read(struct.unpack("<Q", header[:8])[0])
-        f.read(4)
-        event = event_pb2.Event.FromString(data)
+        try:
+          length = struct.unpack("<Q", header[:8])[0] if len(header) == 12 else -1
+          if not 0 <= length <= os.path.getsize(path) - f.tell():
+            raise ValueError(f"no event record at byte {f.tell() - len(header)}")
+          data = f.read(length)
+          f.read(4)
+          event = event_pb2.Event.FromString(data)
+        except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+          raise ValueError(f"temoe report: {path} is not a readable TensorBoard event file ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''}); move it out of the run "
+                           "directory") from exc
         for value in event.summary.value:
           if value.HasField("simple_value"):
             steps[event.step][value.tag] = value.simple_value
@@ -220,6 +228,28 @@ def _html(summary: dict, images: dict[str, str], breakdown: dict | None, run_dir
   return f"<!doctype html><html>{head}<body>{''.join(parts)}</body></html>"
 
 
+PROFILE_KEYS = ("step_ms", "ms_per_step", "share", "devices")
+"""What a profile.json from `temoe profile` holds at least (temoe.tools.profiling.breakdown)."""
+
+
+def read_profile(path: str) -> dict | None:
+  """The run's profile.json (`temoe profile`'s step breakdown), None if there is none; ValueError (one
+  line) if it is not one."""
+  if not os.path.exists(path):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      breakdown = json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError) as exc:
+    raise ValueError(f"temoe report: {path} is not a profile.json of `temoe profile` ({type(exc).__name__}: "
+                     f"{str(exc)[:200]}); move it out of the run directory") from exc
+  missing = [key for key in PROFILE_KEYS if not isinstance(breakdown, dict) or key not in breakdown]
+  if missing:
+    raise ValueError(f"temoe report: {path} is not a profile.json of `temoe profile` (no {', '.join(missing)}); "
+                     "move it out of the run directory")
+  return breakdown
+
+
 def report(run_dir: str, out: str, count: dict | None = None, gpu: str | None = None) -> dict:
   """Writes summary.json, the PNGs, report.html and TensorBoard scalars to `out`; returns the summary."""
   import matplotlib  # pylint: disable=import-outside-toplevel
@@ -228,8 +258,7 @@ def report(run_dir: str, out: str, count: dict | None = None, gpu: str | None = 
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   rows, source = load_rows(run_dir)
-  profile_json = os.path.join(run_dir, "profile.json")
-  breakdown = json.load(open(profile_json, encoding="utf-8")) if os.path.exists(profile_json) else None
+  breakdown = read_profile(os.path.join(run_dir, "profile.json"))
   count = count or (breakdown or {}).get("flops")
   if count and gpu:  # the effective peak depends only on the share of FLOPs run in FP8
     peak = flops.effective_peak(1.0, count["fp8_fraction"], flops.PEAK_TFLOPS[gpu.upper()])
@@ -256,7 +285,7 @@ def report(run_dir: str, out: str, count: dict | None = None, gpu: str | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="temoe report", description=__doc__.split("\n\n", maxsplit=1)[0])
+  parser = oneline.ArgumentParser(prog="temoe report", description=__doc__.split("\n\n", maxsplit=1)[0])
   parser.add_argument("run_dir")
   parser.add_argument("--out", help="output directory (default <run_dir>/report)")
   parser.add_argument("--config", nargs="+", metavar="ARG", help="the run's config.yml and key=value overrides")
@@ -289,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
   out = args.out or os.path.join(args.run_dir, "report")
   try:
     summary = report(args.run_dir, out, count, args.gpu)
-  except FileNotFoundError as exc:
+  except (FileNotFoundError, ValueError) as exc:
     print(str(exc) if str(exc).startswith("temoe report") else f"temoe report: {exc}", file=sys.stderr)
     return 2
   print(f"temoe report: {summary['steps']} steps from {summary['source']}; loss {summary['first_loss']:.3f} -> "

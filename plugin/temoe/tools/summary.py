@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from temoe import oneline
 from temoe.tools import report
 
 
@@ -20,11 +21,12 @@ def summarize(path: str) -> str:
   )
 
 
+@oneline.guarded("temoe summary")
 def main(argv: list[str] | None = None) -> int:
   """`python -m temoe.tools.summary <metrics.jsonl>`: 0, or 2 with one line for a path that is not a file."""
   argv = sys.argv[1:] if argv is None else argv
   if len(argv) != 1 or argv[0].startswith("-"):
-    print("usage: python -m temoe.tools.summary <metrics.jsonl>", file=sys.stderr)
+    print("temoe summary: usage: python -m temoe.tools.summary <metrics.jsonl>", file=sys.stderr)
     return 2
   if not os.path.isfile(argv[0]):
     print(f"temoe summary: {argv[0]} is not a metrics file (MaxText's metrics_file=...jsonl)", file=sys.stderr)

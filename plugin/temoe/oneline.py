@@ -1,0 +1,102 @@
+"""How every temoe command fails: one `temoe <command>: ...` line naming the cause, an exit code (see
+`temoe.exits`), and a Python traceback only when asked for one (`temoe --debug ...` or
+`TEMOE_DEBUG=1`), for a bug report. Imports nothing heavy: the launchers use it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import traceback
+
+from temoe import exits
+
+DEBUG_ENV = "TEMOE_DEBUG"
+DEBUG_HINT = f"{DEBUG_ENV}=1 (or temoe --debug) prints the traceback"
+
+
+def debug() -> bool:
+  """Whether tracebacks are wanted (`--debug` sets the variable, so child processes see it too)."""
+  return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def first_line(exc: BaseException, limit: int = 400) -> str:
+  """`Type: the message's first line` (TensorStore's spec dump cut off)."""
+  text = str(exc).strip().split(" [tensorstore_spec=")[0]
+  return f"{type(exc).__name__}: {text.splitlines()[0][:limit]}" if text else type(exc).__name__
+
+
+def chain(exc: BaseException | None):
+  """`exc` and its causes/contexts, outermost first."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    yield exc
+    exc = exc.__cause__ or exc.__context__
+
+
+def root_cause(exc: BaseException) -> BaseException:
+  """The innermost exception of `exc`'s chain (Orbax wraps TensorStore's real error, e.g. a digest mismatch)."""
+  return list(chain(exc))[-1]
+
+
+def quiet_background_errors() -> None:
+  """Unless tracebacks are wanted: errors that background threads and C callbacks would print as
+  tracebacks (Orbax's aborted commits and loads after a failure temoe reports itself) print nothing,
+  and a logged error keeps its message line without the traceback."""
+  if debug():
+    return
+  import threading  # pylint: disable=import-outside-toplevel
+
+  import logging  # pylint: disable=import-outside-toplevel
+
+  sys.excepthook = lambda *args: None  # C extensions' PyErr_Print in callbacks ends here
+  threading.excepthook = lambda args: None
+  make_record = logging.getLogRecordFactory()
+
+  def record_without_traceback(*args, **kwargs):  # asyncio's "exception was never retrieved", Orbax's errors
+    record = make_record(*args, **kwargs)
+    record.exc_info, record.exc_text, record.stack_info = None, None, None
+    return record
+
+  logging.setLogRecordFactory(record_without_traceback)
+
+
+def print_traceback(exc: BaseException) -> None:
+  """The traceback of `exc`, when tracebacks are wanted."""
+  if debug():
+    traceback.print_exception(exc, file=sys.stderr)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse that reports a bad argument in one line, `<prog>: <message> (see `<prog> --help`)`, exit 2."""
+
+  def error(self, message):
+    self.exit(exits.NEEDS_PERSON, f"{self.prog}: {message} (see `{self.prog} --help`)\n")
+
+
+def guarded(prog: str):
+  """Decorates a command's `main(argv) -> int`: an exception it did not expect ends as one line
+  (`<prog>: Type: message`) and exit 2 instead of a traceback; Ctrl-C as one line and 130; argparse's
+  exit becomes the return value."""
+
+  def wrap(main):
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+      try:
+        return main(*args, **kwargs)
+      except SystemExit as exc:  # argparse's usage error (its one line printed) or --help
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else exits.NEEDS_PERSON)
+      except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+      except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+        print_traceback(exc)
+        print(f"{prog}: {first_line(exc)} ({DEBUG_HINT})", file=sys.stderr, flush=True)
+        return exits.NEEDS_PERSON
+
+    return run
+
+  return wrap

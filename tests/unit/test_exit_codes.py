@@ -1,0 +1,67 @@
+"""README states the exit-code contract and the faults table exactly as the code and the tests have them:
+`temoe.exits.table()` and `faults.render_table()` (each fault's row is asserted by its e2e test)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import faults
+from temoe import exits
+
+README = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_has_the_exit_code_contract():
+  assert exits.table() in README, "README's exit-code table drifted from temoe.exits: paste exits.table()"
+  assert sorted(exits.MEANINGS) == sorted({exits.DONE, exits.FAILED, exits.NEEDS_PERSON, exits.REQUEUE})
+
+
+def test_readme_faults_table_is_the_tests_table():
+  assert faults.render_table() in README, "README's faults table drifted from tests/faults.py: paste render_table()"
+
+
+def test_every_fault_names_an_existing_test_that_checks_it():
+  tests = pathlib.Path(__file__).resolve().parents[1]
+  for name, (_, _, _, where) in faults.FAULTS.items():
+    assert f'"{name}"' in (tests / where).read_text(encoding="utf-8"), f"{where} does not check the fault {name!r}"
+
+
+def test_an_unexpected_error_is_one_line_and_debug_prints_its_traceback(capsys, monkeypatch):
+  from temoe import oneline  # pylint: disable=import-outside-toplevel
+
+  @oneline.guarded("temoe thing")
+  def broken(argv):
+    raise KeyError(argv[0])
+
+  monkeypatch.delenv(oneline.DEBUG_ENV, raising=False)
+  assert broken(["x"]) == exits.NEEDS_PERSON
+  err = capsys.readouterr().err
+  assert err == f"temoe thing: KeyError: 'x' ({oneline.DEBUG_HINT})\n"
+  monkeypatch.setenv(oneline.DEBUG_ENV, "1")
+  assert broken(["x"]) == exits.NEEDS_PERSON
+  err = capsys.readouterr().err
+  assert err.startswith("Traceback (most recent call last):") and err.endswith(f"({oneline.DEBUG_HINT})\n")
+
+
+def test_debug_anywhere_on_the_command_line_turns_tracebacks_on(capsys, monkeypatch):
+  import os  # pylint: disable=import-outside-toplevel
+
+  from temoe import cli, oneline  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.delenv(oneline.DEBUG_ENV, raising=False)
+  assert cli.main(["nothere", "--debug"]) == exits.NEEDS_PERSON
+  assert os.environ[oneline.DEBUG_ENV] == "1"  # child processes (temoe profile's) see it too
+  assert capsys.readouterr().err.startswith("temoe: unknown command 'nothere'")
+  assert cli.main([]) == exits.NEEDS_PERSON and "temoe: no command given" in capsys.readouterr().err
+
+
+def test_train_gives_the_signals_back_when_it_returns():
+  """`temoe profile` trains in-process and goes on: Ctrl-C must interrupt it again afterwards."""
+  import signal  # pylint: disable=import-outside-toplevel
+
+  from conftest import SMOKE  # pylint: disable=import-outside-toplevel
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  assert cli.main(["train", SMOKE, "steps=0"]) == exits.NEEDS_PERSON
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
