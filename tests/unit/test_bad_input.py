@@ -9,7 +9,7 @@ from conftest import SMOKE, maxtext_config, run_temoe
 from temoe import cli
 
 CASES = {
-    "unknown recipe": (["te_gmm_quantization=te_fp9"], ["te_no_quant, te_fp8_current, te_mxfp8"]),
+    "unknown recipe": (["te_gmm_quantization=te_fp9"], ["te_no_quant, te_fp8_current, te_fp8_blockwise, te_mxfp8"]),
     "unknown backend": (["te_moe_backend=cuda"], ["valid choices: auto, te, xla"]),
     "fp8 without GPU": (["te_gmm_quantization=te_fp8_current"], ["needs a GPU with Transformer Engine", "te_no_quant"]),
     "mxfp8 without GPU": (["te_gmm_quantization=te_mxfp8"], ["needs a GPU with Transformer Engine", "te_no_quant"]),
