@@ -4,14 +4,19 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
   dsv3            7168 / 2048 / 32 / 8192 x 8   DeepSeek-V3's 32 big experts
   dsv3_ep8        7168 / 2048 /  8 / 8192 x 2   the local slice of one EP-8 rank
   qwen3_30b_a3b   2048 /  768 / 128 / 8192 x 8  fine-grained MoE
-Paths per shape, each measured in this process: temoe FP8 on its Hopper kernels (`mosaic`, with
+  gpt_oss_like    2880 / 2880 / 128 / 8192 x 4  dims that are not multiples of 128
+  small_dsv3      1024 /  512 / 32 / 8192 x 8   the small DeepSeek-V3-shaped model's layer
+Paths per shape, each measured in this process: temoe FP8 with DeepSeek-V3's block scales
+(`temoe_fp8_blockwise`, recipe te_fp8_blockwise), temoe FP8 on its Hopper kernels (`mosaic`, with
 fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
 it), and the dense FP8 (TE) and bf16 (XLA) ceilings of the same GEMMs. Per-GEMM forward TFLOP/s
-of each grouped path too. Useful FLOPs only: alignment padding rows are not counted.
+of each grouped path too. Useful FLOPs only: alignment padding rows are not counted. With
+`--errors`, each path's layer output and gradients (dx, dwi, dwo) against a float32 computation of the
+same layer on the same routing (`errors`: relative L2 per path).
 
-    python bench/moe_layer.py [--out bench/results] [--iters 10] [--shapes dsv3,qwen3_30b_a3b]
+    python bench/moe_layer.py [--out bench/results] [--iters 10] [--shapes dsv3,qwen3_30b_a3b] [--errors]
 """
 
 from __future__ import annotations
@@ -29,15 +34,18 @@ import jax.numpy as jnp
 import plots  # bench/plots.py, beside this file
 from temoe import recipes
 from temoe.moe import block, dispatch
-from temoe.moe.context import MoEContext
+from temoe.moe.context import MoEContext, swiglu
 from temoe.moe.experts import fp8_quant, parts
 
 SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
     "dsv3": (7168, 2048, 32, 8192, 8),
     "dsv3_ep8": (7168, 2048, 8, 8192, 2),
     "qwen3_30b_a3b": (2048, 768, 128, 8192, 8),
+    "gpt_oss_like": (2880, 2880, 128, 8192, 4),  # dims that are not multiples of 128
+    "small_dsv3": (1024, 512, 32, 8192, 8),  # the small DeepSeek-V3-shaped model's layer (batch 32 x seq 256)
 }
 PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
+    "temoe_fp8_blockwise": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
@@ -99,6 +107,51 @@ def layer_fwdbwd(ctx: MoEContext, ids, weights):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
+def layer_vjp(ctx: MoEContext, ids, weights):
+  """(out, dx, dwi, dwo) of the layer for the cotangent `cot`: what the errors compare."""
+  mlp = mlp_of(ctx)
+
+  def layer(x, wi, wo):
+    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
+    y = mlp(ctx, dispatch.dispatch(x, p, ctx.top_k), p, wi, wo, (None, None, None), None)
+    return dispatch.combine(y, p, weights)
+
+  def run(x, wi, wo, cot):
+    out, vjp = jax.vjp(layer, x, wi, wo)
+    return (out, *vjp(cot.astype(out.dtype)))
+
+  return jax.jit(run)
+
+
+def float32_layer_vjp(ids, weights, experts: int, top_k: int, capacity: int):
+  """(out, dx, dwi, dwo) of the same layer in float32 (HIGHEST precision dots): each expert's rows
+  gathered into a (experts, capacity, .) block, so the expert MLP is two batched dense dots."""
+
+  def layer(x, wi, wo):
+    p = dispatch.plan(ids, experts, 1)
+    rows = dispatch.dispatch(x, p, top_k)
+    starts = jnp.cumsum(p.group_sizes) - p.group_sizes
+    slot = starts[:, None] + jnp.arange(capacity)[None, :]
+    valid = jnp.arange(capacity)[None, :] < p.group_sizes[:, None]
+    xb = jnp.where(valid[..., None], rows[jnp.minimum(slot, rows.shape[0] - 1)], 0.0)
+    h = jnp.einsum("gck,gkn->gcn", xb, wi, precision=jax.lax.Precision.HIGHEST)
+    gate, up = parts.split_gate_up(h)
+    yb = jnp.einsum("gcf,gfe->gce", swiglu(gate, up), wo, precision=jax.lax.Precision.HIGHEST)
+    y = jnp.zeros((rows.shape[0] + 1, yb.shape[-1]), jnp.float32).at[jnp.where(valid, slot, rows.shape[0])].set(yb)
+    return dispatch.combine(y[:-1], p, weights)
+
+  def run(x, wi, wo, cot):
+    out, vjp = jax.vjp(layer, x, wi, wo)
+    return (out, *vjp(cot))
+
+  return jax.jit(run)
+
+
+def rel_l2(a, ref) -> float:
+  a, ref = a.astype(jnp.float32), ref.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - ref) / jnp.maximum(jnp.linalg.norm(ref), 1e-30))
+
+
 def gemm_fwd(ctx: MoEContext, ids):
   """One grouped GEMM of the path alone, forward, on the dispatched layout of `ids`."""
   if ctx.kernel == "tokamax":
@@ -115,7 +168,7 @@ def gemm_fwd(ctx: MoEContext, ids):
     from temoe.moe.experts import mosaic_gemm  # pylint: disable=import-outside-toplevel
 
     def gmm(a, w, sizes):
-      return mosaic_gemm.grouped_matmul(a, w, sizes, fp8=recipes.REGISTRY[ctx.recipe].fp8)
+      return mosaic_gemm.grouped_matmul(a, w, sizes, scaling=recipes.REGISTRY[ctx.recipe].scaling)
   else:
     raise ValueError(f"per-GEMM timing covers tokamax, te and mosaic, not {ctx.kernel}")
 
@@ -149,7 +202,8 @@ def error_text(exc: Exception) -> str:
   return f"{type(exc).__name__}: {(lines[0] if lines else '')[:300]}"
 
 
-def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATHS), trace: str = "") -> dict:
+def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATHS), trace: str = "",
+                  errors: bool = False) -> dict:
   hidden, ffn, experts, tokens, top_k = SHAPES[name]
   key = jax.random.key(0)
   ids, weights = skewed_routing(key, experts, tokens, top_k)
@@ -168,6 +222,9 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
   default_quant = fp8_quant.DEFAULT_IMPL
+  if errors:  # the float32 layer on the same routing and the same (bf16-valued) inputs
+    ref = float32_layer_vjp(ids, weights, experts, top_k, int(loads.max()))(*(a.astype(jnp.float32) for a in (x, wi, wo, cot)))
+    out["errors"] = {}
   for path in paths:
     kernel, recipe = PATHS[path]
     ctx = context(kernel, recipe, experts, top_k)
@@ -181,6 +238,10 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
             jax.block_until_ready(fn(x, wi, wo, cot))
       out[f"{path}_fwdbwd_tflops"] = useful / seconds / 1e12
       out[f"{path}_fwdbwd_ms"] = seconds * 1e3
+      if errors:
+        got = layer_vjp(ctx, ids, weights)(x, wi, wo, cot)
+        out["errors"][path] = {k: rel_l2(g, r) for k, g, r in zip(("y", "dx", "dwi", "dwo"), got, ref)}
+        del got
       if per_gemm:
         h = jax.random.normal(kx, (rows, ffn), jnp.bfloat16)
         xr = jnp.repeat(x, top_k, axis=0)
@@ -191,7 +252,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
     except Exception as exc:  # pylint: disable=broad-exception-caught
       out[f"{path}_error"] = error_text(exc)
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
-          flush=True)
+          out.get("errors", {}).get(path), flush=True)
   fp8_quant.DEFAULT_IMPL = default_quant
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
@@ -228,6 +289,7 @@ def main() -> None:
   parser.add_argument("--paths", default=",".join(PATHS))
   parser.add_argument("--no-per-gemm", action="store_true", help="the layer only (bench/mosaic_gemm.py sweeps GEMMs)")
   parser.add_argument("--trace", default="", help="also write a profiler trace of 3 iterations per path here")
+  parser.add_argument("--errors", action="store_true", help="each path's output and gradients against float32")
   args = parser.parse_args()
   result = {
       "command": " ".join(["python", "bench/moe_layer.py", *sys.argv[1:]]),
@@ -236,7 +298,8 @@ def main() -> None:
   }
   os.makedirs(args.out, exist_ok=True)
   for name in args.shapes.split(","):
-    result["shapes"][name] = measure_shape(name, args.iters, not args.no_per_gemm, args.paths.split(","), args.trace)
+    result["shapes"][name] = measure_shape(name, args.iters, not args.no_per_gemm, args.paths.split(","), args.trace,
+                                           args.errors)
     with open(os.path.join(args.out, "moe_layer.json"), "w", encoding="utf-8") as f:  # after every shape
       json.dump(result, f, indent=1)
   plot(result, os.path.join(args.out, "moe_layer.png"))

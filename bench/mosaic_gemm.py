@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from temoe.moe.experts import fp8_block as fb
+from temoe.moe.experts import fp8_quant as fq
 from temoe.moe.experts import mosaic_gemm as mz
 
 SHAPES = {
@@ -56,6 +58,15 @@ ROWS_CONFIGS = [
 CONTRACT_CONFIGS = ROWS_CONFIGS[:2] + [
     TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
 ] + ROWS_CONFIGS[3:]
+# Blockwise (fp32 total beside the accumulator: a warpgroup's tile is at most 64 x 128); rows-form
+# tiles sit inside one 128-wide weight-scale block. The same list serves the wgrad form.
+BLOCKWISE_CONFIGS = [
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8),
+    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
+    TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
+]
 QUICK = 3  # --quick: first configs of each list only
 
 
@@ -96,30 +107,30 @@ def rel(a, ref, rows=None) -> float:
 
 
 @jax.jit
-def ref_rows(a, b, tile_group, scales):
-  """float32 scales[g] * a[rows of g] @ b[g]^T (b: (G, Nout, C)), one 128-row tile at a time."""
+def ref_rows(a, b, tile_group):
+  """float32 a[rows of g] @ b[g]^T (a (M, C), b (G, Nout, C), both float32 values as the kernel
+  sees them, scales applied), one 128-row tile at a time."""
   t = tile_group.shape[0]
-  a_t = a.astype(jnp.bfloat16).reshape(t, -1, a.shape[1])  # FP8 values are exact in bf16
+  a_t = a.reshape(t, -1, a.shape[1])
 
   def one(args):
     at, g = args
     gg = jnp.maximum(g, 0)
-    y = jnp.dot(at, b[gg].astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scales[gg]
+    y = jnp.dot(at, b[gg].T, precision=jax.lax.Precision.HIGHEST)
     return jnp.where(g >= 0, y, 0.0)
 
   return jax.lax.map(one, (a_t, tile_group), batch_size=8).reshape(a.shape[0], -1)
 
 
 @jax.jit
-def ref_contract(a, b, group_sizes, scales):
-  """float32 scales[g] * a[:, tokens of g] @ b[:, tokens of g]^T; a (Mout, T), b (Nout, T)."""
+def ref_contract(a, b, group_sizes):
+  """float32 a[:, tokens of g] @ b[:, tokens of g]^T; a (Mout, T), b (Nout, T) float32 values."""
   ends = jnp.cumsum(group_sizes)
   tok = jnp.arange(a.shape[1])
 
   def one(g):
     mask = (tok >= ends[g] - group_sizes[g]) & (tok < ends[g])
-    am = jnp.where(mask[None, :], a.astype(jnp.bfloat16), 0)
-    return jnp.dot(am, b.astype(jnp.bfloat16).T, preferred_element_type=jnp.float32) * scales[g]
+    return jnp.dot(jnp.where(mask[None, :], a, 0), b.T, precision=jax.lax.Precision.HIGHEST)
 
   return jax.lax.map(one, jnp.arange(group_sizes.shape[0]))
 
@@ -170,49 +181,99 @@ def operands(p: Problem, key):
   return dict(x=x, act=act, wi=wi, wo=wo, dy_up=dy_up, dy_down=dy_down)
 
 
-def gemm_specs(p: Problem, ops):
-  """The six FP8 GEMMs: name -> (form, a, b, scales, flops, bf16 originals (a, b) for the recipe error)."""
-  sizes = p.sizes
-  q = jax.jit(mz.quantize_rows, static_argnums=2)
-  qe = jax.jit(mz.quantize_experts, static_argnums=1)
-  xq, sx = q(ops["x"], sizes, mz.E4M3)
-  aq, sa = q(ops["act"], sizes, mz.E4M3)
-  dq_up, s_up = q(ops["dy_up"], sizes, mz.E5M2)
-  dq_dn, s_dn = q(ops["dy_down"], sizes, mz.E5M2)
-  wiq, swi = qe(ops["wi"], mz.E4M3)
-  woq, swo = qe(ops["wo"], mz.E4M3)
+def _quantized(p: Problem, ops, scaling: str):
+  """Per operand: (kernel operand, its scale argument, its float32 value as the kernel sees it).
+
+  Rows operands (x, act, dy_up, dy_down) in both layouts; weights in both layouts. "current":
+  per-expert scales (fp8_quant); "blockwise": DeepSeek-V3's block scales (fp8_block)."""
+  f32 = lambda a: a.astype(jnp.float32)
+  tiles = mz.tile_groups(p.sizes, p.rows // mz.ROW_ALIGNMENT, mz.ROW_ALIGNMENT)
+  rg = jnp.repeat(jnp.clip(tiles, 0, p.experts - 1), mz.ROW_ALIGNMENT)
+  out = {}
+  for name in ("x", "act", "dy_up", "dy_down"):
+    if scaling == "current":
+      dtype = mz.E5M2 if name.startswith("dy") else mz.E4M3
+      q, qt, s = jax.jit(fq.quantize_rows, static_argnums=(2, 3))(ops[name], tiles, p.experts, dtype)
+      v = f32(q) / s[rg][:, None]
+      out[name] = (q, s, v)
+      out[name + "^T"] = (qt, s, v.T)
+    else:
+      q, s, qt, st = jax.jit(fb.quantize_both)(ops[name])
+      out[name] = (q, s, fb.dequantize_rows(q, s))
+      out[name + "^T"] = (qt, st, fb.dequantize_rows(qt, st))
+  for name in ("wi", "wo"):
+    if scaling == "current":
+      q, qt, s = jax.jit(fq.quantize_experts, static_argnums=1)(ops[name], mz.E4M3)
+      v = f32(q) / s[:, None, None]
+    else:
+      q, qt, s = jax.jit(fb.quantize_weights)(ops[name])
+      v = fb.dequantize_weights(q, s)
+    out[name] = (q, s, v)  # (G, K, N): dgrad's b (Nout = K, C = N)
+    out[name + "^T"] = (qt, s, jnp.swapaxes(v, 1, 2))  # (G, N, K): the forward's b
+  return out
+
+
+def gemm_specs(p: Problem, ops, scaling: str = "current"):
+  """The six FP8 GEMMs: name -> (form, a, b, scale kwargs, flops, float32 operand values (a, b) as the
+  kernel sees them, bf16 originals (a, b) for the recipe error)."""
+  q = _quantized(p, ops, scaling)
   tr = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))
   r, h, f = p.real, p.hidden, p.ffn
+
+  def spec(form, a, b, flops, orig):
+    qa, sa, va = q[a]
+    qb, sb, vb = q[b]
+    if scaling == "blockwise":
+      if b in ("wi", "wo"):  # dgrad reads w as stored: its weight block is (C block, Nout block) swapped
+        sb = jnp.swapaxes(sb, 1, 2)
+      kw = {"block_scales": (sa, sb)}
+    elif form == "rows":
+      kw = {"scales": 1.0 / (sa * sb)}
+    else:
+      kw = {"scales": 1.0 / (sa * sb)}
+    return (form, qa, qb, kw, flops, (va, vb), orig)
+
   return {
-      "gateup_fwd": ("rows", xq, tr(wiq), 1 / (sx * swi), 2 * r * h * 2 * f, (ops["x"], tr(ops["wi"]))),
-      "down_fwd": ("rows", aq, tr(woq), 1 / (sa * swo), 2 * r * f * h, (ops["act"], tr(ops["wo"]))),
-      "gateup_dgrad": ("rows", dq_up, wiq, 1 / (s_up * swi), 2 * r * 2 * f * h, (ops["dy_up"], ops["wi"])),
-      "down_dgrad": ("rows", dq_dn, woq, 1 / (s_dn * swo), 2 * r * h * f, (ops["dy_down"], ops["wo"])),
-      "gateup_wgrad": ("contract", tr(xq), tr(dq_up), 1 / (sx * s_up), 2 * r * h * 2 * f, (tr(ops["x"]), tr(ops["dy_up"]))),
-      "down_wgrad": ("contract", tr(aq), tr(dq_dn), 1 / (sa * s_dn), 2 * r * f * h, (tr(ops["act"]), tr(ops["dy_down"]))),
+      "gateup_fwd": spec("rows", "x", "wi^T", 2 * r * h * 2 * f, (ops["x"], tr(ops["wi"]))),
+      "down_fwd": spec("rows", "act", "wo^T", 2 * r * f * h, (ops["act"], tr(ops["wo"]))),
+      "gateup_dgrad": spec("rows", "dy_up", "wi", 2 * r * 2 * f * h, (ops["dy_up"], ops["wi"])),
+      "down_dgrad": spec("rows", "dy_down", "wo", 2 * r * h * f, (ops["dy_down"], ops["wo"])),
+      "gateup_wgrad": spec("contract", "x^T", "dy_up^T", 2 * r * h * 2 * f, (tr(ops["x"]), tr(ops["dy_up"]))),
+      "down_wgrad": spec("contract", "act^T", "dy_down^T", 2 * r * f * h, (tr(ops["act"]), tr(ops["dy_down"]))),
   }
 
 
-def kernel_fn(form, cfg, sizes):
+def kernel_fn(form, cfg, sizes, kw_names):
   if form == "rows":
-    return lambda a, b, s: mz.ragged_rows_matmul(a, b, sizes, s, config=cfg)
-  return lambda a, b, s: mz.ragged_contract_matmul(a, b, sizes, s, config=cfg)
+    return lambda a, b, *kw: mz.ragged_rows_matmul(a, b, sizes, config=cfg, **_kwargs(kw_names, kw))
+  return lambda a, b, *kw: mz.ragged_contract_matmul(a, b, sizes, config=cfg, **_kwargs(kw_names, kw))
 
 
-def reference(form, a, b, sizes, scales, block_m=128):
+def _kwargs(names, values):
+  out = {}
+  for name, v in zip(names, values):
+    if name == "block_scales":
+      out[name] = tuple(v)
+    else:
+      out[name] = v
+  return out
+
+
+def reference(form, a, b, sizes, block_m=128):
   if form == "rows":
-    return ref_rows(a, b, mz.tile_groups(sizes, a.shape[0] // block_m, block_m), scales)
-  return ref_contract(a, b, sizes, scales)
+    return ref_rows(a, b, mz.tile_groups(sizes, a.shape[0] // block_m, block_m))
+  return ref_contract(a, b, sizes)
 
 
 def sweep_gemm(name, spec, p: Problem, configs, pool):
-  form, a, b, scales, flops, originals = spec
+  form, a, b, kw, flops, values, originals = spec
+  names, vals = list(kw), [kw[k] for k in kw]
   out = {"flops": flops, "form": form, "configs": []}
-  ref = reference(form, a, b, p.sizes, scales)
+  ref = reference(form, values[0], values[1], p.sizes)
   lowered = []
   for cfg in configs:
     try:
-      lowered.append((cfg, jax.jit(kernel_fn(form, cfg, p.sizes)).lower(a, b, scales)))
+      lowered.append((cfg, jax.jit(kernel_fn(form, cfg, p.sizes, names)).lower(a, b, *vals)))
     except Exception as exc:  # pylint: disable=broad-exception-caught
       out["configs"].append({"config": cfg.name(), "fields": dataclasses.asdict(cfg), "error": err_line(exc)})
   compiled = list(pool.map(lambda cl: _try(lambda: cl[1].compile()), lowered))
@@ -222,7 +283,7 @@ def sweep_gemm(name, spec, p: Problem, configs, pool):
     try:
       if isinstance(comp, BaseException):
         raise comp
-      y = comp(a, b, scales)
+      y = comp(a, b, *vals)
       rec["finite"] = bool(jnp.isfinite(y.astype(jnp.float32)).all())
       if form == "rows":
         rec["spare_rows_zero"] = bool((y[int(p.sizes.sum()):] == 0).all())
@@ -230,7 +291,7 @@ def sweep_gemm(name, spec, p: Problem, configs, pool):
         rec["empty_experts_zero"] = bool((y[np.asarray(p.sizes) == 0] == 0).all())
       rec["rel_err_same_operands"] = rel(y, ref)
       del y
-      sec = timed(comp, a, b, scales)
+      sec = timed(comp, a, b, *vals)
       rec["ms"] = sec * 1e3
       rec["tflops"] = flops / sec / 1e12
       ok = rec["finite"] and rec["rel_err_same_operands"] < 1e-2 and rec.get("spare_rows_zero", True) \
@@ -249,8 +310,9 @@ def sweep_gemm(name, spec, p: Problem, configs, pool):
                    "ms": best[1]["ms"]}
     # the FP8 recipe's error: the best config's output against float32 on the bf16 originals
     try:
-      y = jax.jit(kernel_fn(form, best[0], p.sizes))(a, b, scales)
-      ref0 = reference(form, originals[0], originals[1], p.sizes, jnp.ones((p.experts,), jnp.float32))
+      y = jax.jit(kernel_fn(form, best[0], p.sizes, names))(a, b, *vals)
+      f32 = lambda v: v.astype(jnp.float32)
+      ref0 = reference(form, f32(originals[0]), f32(originals[1]), p.sizes)
       out["best"]["recipe_rel_err_vs_bf16"] = rel(y, ref0)
       del y, ref0
     except Exception as exc:  # pylint: disable=broad-exception-caught
@@ -300,7 +362,7 @@ def fwd_and_fwdbwd(matmul, x, w, sizes, cot):
   return fwd, jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def comparators(p: Problem, ops, best_cfgs, skip_te: bool, save=lambda res: None, only=()):
+def comparators(p: Problem, ops, best_cfgs, skip_te: bool, save=lambda res: None, only=(), scaling="current"):
   """Per forward GEMM: TE grouped FP8, dense ceilings, grouped_matmul end to end, bf16 paths."""
   res = {}
   r = p.real
@@ -311,8 +373,8 @@ def comparators(p: Problem, ops, best_cfgs, skip_te: bool, save=lambda res: None
     cot = cot.astype(jnp.float32)
     cfgs = mz.GemmConfigs(best_cfgs.get(f"{gemm}_fwd"), best_cfgs.get(f"{gemm}_dgrad"), best_cfgs.get(f"{gemm}_wgrad"))
     paths = {
-        "mosaic_fp8": lambda x, w, s: mz.grouped_matmul(x, w, s, fp8=True, configs=cfgs),
-        "mosaic_bf16": lambda x, w, s: mz.grouped_matmul(x, w, s, fp8=False),
+        f"mosaic_{scaling}": lambda x, w, s: mz.grouped_matmul(x, w, s, scaling=scaling, configs=cfgs),
+        "mosaic_bf16": lambda x, w, s: mz.grouped_matmul(x, w, s, scaling="none"),
     }
     if not skip_te:
       paths["te_grouped_fp8"] = te_grouped
@@ -400,6 +462,8 @@ def main() -> None:
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--shapes", default="dsv3,dsv3_ep8,qwen3_30b_a3b")
   parser.add_argument("--gemms", default="gateup_fwd,down_fwd,gateup_dgrad,down_dgrad,gateup_wgrad,down_wgrad")
+  parser.add_argument("--scaling", default="current", choices=("current", "blockwise"),
+                      help="the FP8 recipe swept: per-expert current scaling or DeepSeek-V3's block scales")
   parser.add_argument("--quick", action="store_true", help=f"first {QUICK} configs per GEMM only")
   parser.add_argument("--max-configs", type=int, default=None, help="first N configs per GEMM only")
   parser.add_argument("--no-comparators", action="store_true")
@@ -461,11 +525,14 @@ def run_shapes(args, result, json_path, pool, t_start):
     result["shapes"][s] = sres
     print(f"{s}: rows {p.rows} (real {p.real}), load max/mean {sres['load_max_over_mean']:.2f}", flush=True)
     ops = operands(p, jax.random.key(1))
-    specs = gemm_specs(p, ops)
+    specs = gemm_specs(p, ops, args.scaling)
     best_cfgs = {}
     for g in [g for g in args.gemms.split(",") if g and g != "none"]:
       form = specs[g][0]
-      configs = ROWS_CONFIGS if form == "rows" else CONTRACT_CONFIGS
+      if args.scaling == "blockwise":
+        configs = BLOCKWISE_CONFIGS
+      else:
+        configs = ROWS_CONFIGS if form == "rows" else CONTRACT_CONFIGS
       configs = configs[:QUICK] if args.quick else configs
       configs = configs[:args.max_configs] if args.max_configs else configs
       try:
@@ -482,7 +549,7 @@ def run_shapes(args, result, json_path, pool, t_start):
           json.dump(result, f, indent=1)
 
       only = tuple(c for c in args.comparators.split(",") if c)
-      sres["comparators"] = comparators(p, ops, best_cfgs, args.skip_te, save, only)
+      sres["comparators"] = comparators(p, ops, best_cfgs, args.skip_te, save, only, args.scaling)
     result["elapsed_s"] = time.time() - t_start
     with open(json_path, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)

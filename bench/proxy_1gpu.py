@@ -1,19 +1,35 @@
-"""Benchmark: MaxText training of the 1-GPU DeepSeek-V3 proxy, one path per fresh process.
+"""Benchmark: MaxText training of the 1-GPU DeepSeek-V3 proxy, one path per fresh process, and the
+marginal MoE decoder layer as its headline.
 
 `temoe_fp8` is the shipped config, `configs/deepseek3-proxy-1gpu.yml`, as a user runs it (FP8 expert
 GEMMs on temoe's sync-free Hopper kernels, MaxText's TE FP8 for the dense GEMMs). `stock_best` is the
 fastest stock MaxText we know on the same GPU: the same model and settings (cuDNN attention, MaxText's
 TE FP8 for the dense GEMMs, the same remat) with MaxText's own tokamax grouped GEMM instead of temoe's
 block. The other paths take one setting away or swap one part, so each setting's gain is measured in
-the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_fp8_te` (FP8 expert
+the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_fp8_blockwise` (FP8 with
+DeepSeek-V3's block scales), `temoe_fp8_te` (FP8 expert
 GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s container profile),
 `temoe_fp8_graphs` (XLA's command-buffer list, i.e. CUDA graphs, set explicitly without CONDITIONAL;
-every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`, `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, and the stock paths as committed
-before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full). Each
-reports median tokens/s and MaxText's TFLOP/s/device over the steps after warm-up, and peak HBM;
-ratios are against `stock_best`. Writes JSON (with the exact command) and a PNG.
+every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`,
+`temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, the remat variants that keep more of a layer for the
+backward (`*_save_moe`: minimal_with_context plus the MoE GEMM outputs MaxText names moe_mlpwi_0/1 and
+moe_mlpwo, which minimal_with_context recomputes in part: it names the gate half mlpwi_0 but not the
+up half; `*_save_all`: every tensor MaxText names; remat_policy=none is no variant here: MaxText
+wraps each scanned layer in jax.checkpoint with the policy it names, and none names no policy, i.e.
+saves nothing, as full does), the memory plan's checks (`temoe_fp8_batch4`: twice the batch;
+`*_experts64`: twice the experts), and the stock paths as committed before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full).
 
-    python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--steps 10] [--out bench/results]
+Each path runs at every depth of --layers: `path` is the proxy's own 3 layers (1 dense + 2 MoE),
+`path@5` the same with base_num_decoder_layers=5 (1 dense + 4 MoE). Only MoE layers are added, so for
+a path measured at two depths a < b, (t_b - t_a) / (b - a) is the time of one MoE decoder layer
+(forward, backward, its optimizer share) and t_a minus a - 1 such layers the fixed part (embedding,
+logits, the dense layer). The headline `marginal_moe_layer` is that per-layer time for `temoe_fp8` and
+`stock_best`, and their ratio. Each run reports median tokens/s, MaxText's TFLOP/s/device and step time
+over the steps after warm-up, peak HBM and its wall time; ratios are against `stock_best` at the same
+depth. Writes proxy_1gpu.json (with the exact command) and a PNG. `--smoke` runs the same code on this
+CPU at a tiny size (no timing meaning).
+
+    python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--layers 3,5] [--steps 12] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -22,14 +38,17 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
-import subprocess
 import sys
 import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import training_runs  # noqa: E402  # pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SHIPPED = str(ROOT / "configs" / "deepseek3-proxy-1gpu.yml")
 COMMON = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false"]
+BASE_LAYERS = 3
+"""Every path's own depth (1 dense + 2 MoE layers); `path@N` runs it with N."""
 
 PROXY = [  # the stock paths as committed before: MaxText's 671B shapes cut to the proxy
     "model_name=deepseek3-671b", "override_model_config=true", "base_num_decoder_layers=3",
@@ -37,14 +56,33 @@ PROXY = [  # the stock paths as committed before: MaxText's 671B shapes cut to t
     "weight_dtype=bfloat16", "dtype=bfloat16", "remat_policy=full", "hardware=gpu",
     "skip_jax_distributed_system=true",
 ]
-STOCK_MOE = ["te_moe_block=false", "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"]
+STOCK_MOE = training_runs.STOCK_MOE
 
 GRAPHS = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"}
+
+MINIMAL_WITH_CONTEXT = ("query_proj", "value_proj", "key_proj", "kv_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1",
+                        "mlpwi", "mlpwo", "context")
+"""The names MaxText 0.2.5's remat_policy=minimal_with_context saves (its decoder's minimal_policy)."""
+MOE_OUTPUTS = ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo")
+"""The routed experts' gate, up and down GEMM outputs (MaxText's names; temoe's block gives the same)."""
+OTHER_NAMES = ("query_wa_proj", "kv_wa_proj", "mla_q", "mla_kv", "attention_out", "moe_x_sorted", "moe_routing_maps")
+"""MaxText's other remat names of a DeepSeek layer: MLA's low-rank projections, attention's output,
+MaxText's own sorted MoE input and routing maps (temoe's block names neither)."""
+
+
+def saved_on_device(*names: str) -> list[str]:
+  """remat_policy=custom keeping exactly `names` (and each layer's input) on the device."""
+  return ["remat_policy=custom", *(f"{n}=device" for n in names)]
+
+
+SAVE_MOE = saved_on_device(*MINIMAL_WITH_CONTEXT, *MOE_OUTPUTS)
+SAVE_ALL = saved_on_device(*MINIMAL_WITH_CONTEXT, *MOE_OUTPUTS, *OTHER_NAMES)
 
 PATHS = {  # name -> (config, overrides, environment: False, True (the container env profile) or a dict)
     "temoe_fp8": (SHIPPED, [], False),
     "stock_best": (SHIPPED, STOCK_MOE, False),
     "temoe_bf16_moe": (SHIPPED, ["te_gmm_quantization=te_no_quant"], False),
+    "temoe_fp8_blockwise": (SHIPPED, ["te_gmm_quantization=te_fp8_blockwise"], False),
     "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
     "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
@@ -52,42 +90,55 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
     "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),
     "temoe_fp8_autoattn": (SHIPPED, ["attention=autoselected"], False),
+    "temoe_fp8_save_moe": (SHIPPED, SAVE_MOE, False),
+    "stock_best_save_moe": (SHIPPED, [*STOCK_MOE, *SAVE_MOE], False),
+    "temoe_fp8_save_all": (SHIPPED, SAVE_ALL, False),
+    "stock_best_save_all": (SHIPPED, [*STOCK_MOE, *SAVE_ALL], False),
+    "temoe_fp8_batch4": (SHIPPED, ["per_device_batch_size=4"], False),  # memory-plan checks: twice the tokens,
+    "temoe_fp8_experts64": (SHIPPED, ["override_model_config=true", "num_experts=64"], False),  # twice the experts
+    "stock_best_experts64": (SHIPPED, [*STOCK_MOE, "override_model_config=true", "num_experts=64"], False),
     "temoe_bf16": (SHIPPED, ["te_gmm_quantization=te_no_quant", "quantization=''"], False),
     "tokamax_gmm": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false", "use_tokamax_gmm=true"], False),
     "native_ragged": ("base.yml", [*PROXY, "sparse_matmul=true", "megablox=false"], False),
     "capacity_1.25": ("base.yml", [*PROXY, "sparse_matmul=false", "capacity_factor=1.25"], False),
 }
 
+SMOKE = [  # --smoke: the same paths on this CPU, every model width cut to a few dozen (no GPU kernels)
+    "override_model_config=true", "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
+    "base_moe_mlp_dim=32", "q_lora_rank=32", "kv_lora_rank=16", "qk_nope_head_dim=16", "qk_rope_head_dim=8",
+    "v_head_dim=16", "vocab_size=256", "num_experts=8", "max_target_length=32", "per_device_batch_size=2",
+    "hardware=cpu", "attention=dot_product", "quantization=''", "te_gmm_quantization=te_no_quant",
+    "use_tokamax_gmm=false",  # tokamax has no CPU kernel: MaxText's own ragged_dot stands in
+]
 
-def args_of(path: str) -> list[str]:
-  """MaxText's arguments for `path`: its config file, then key=value overrides."""
+
+def split_name(run: str) -> tuple[str, int]:
+  """'path@5' -> ('path', 5); 'path' -> ('path', BASE_LAYERS). Refuses unknown paths, naming the choices."""
+  path, _, layers = run.partition("@")
+  if path not in PATHS:
+    raise SystemExit(f"unknown proxy path {path!r}; valid choices: {', '.join(PATHS)}")
+  if layers and not (layers.isdigit() and int(layers) >= 2):
+    raise SystemExit(f"{run!r}: the depth after @ must be a whole number of layers >= 2 (1 dense + MoE)")
+  return path, int(layers) if layers else BASE_LAYERS
+
+
+def run_name(path: str, layers: int) -> str:
+  return path if layers == BASE_LAYERS else f"{path}@{layers}"
+
+
+def args_of(run: str, smoke: bool = False) -> list[str]:
+  """MaxText's arguments for `run` ('path' or 'path@layers'): its config file, then key=value overrides."""
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
+  path, layers = split_name(run)
   config, overrides, _ = PATHS[path]
-  return [config if os.path.isabs(config) else os.path.join(introspect.configs_dir(), config), *COMMON, *overrides]
+  depth = [] if layers == BASE_LAYERS else ["override_model_config=true", f"base_num_decoder_layers={layers}"]
+  config = config if os.path.isabs(config) else os.path.join(introspect.configs_dir(), config)
+  return [config, *COMMON, *overrides, *depth, *(SMOKE if smoke else [])]
 
 
-def worker(path: str, steps: int, workdir: str) -> None:
-  """Trains one path in this process and prints one JSON line with its peak HBM."""
-  import temoe  # pylint: disable=import-outside-toplevel
-  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
-
-  temoe.register()
-  argv = ["bench", *args_of(path), f"steps={steps}",
-          f"base_output_directory={workdir}", f"run_name={path}", f"metrics_file={workdir}/{path}.jsonl"]
-  try:
-    introspect.train(argv)
-  except SystemExit as exc:
-    if exc.code:
-      raise
-  import jax  # pylint: disable=import-outside-toplevel
-
-  stats = jax.local_devices()[0].memory_stats() or {}
-  print("BENCH_PEAK " + json.dumps({"peak_bytes": stats.get("peak_bytes_in_use")}), flush=True)
-
-
-def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
-  cmd = [sys.executable, __file__, "--worker", path, "--steps", str(steps), "--workdir", workdir]
+def environment(path: str) -> dict:
+  """The process environment `path` runs in: this one, plus the container profile or its extra flags."""
   env = dict(os.environ)
   extra = PATHS[path][2]
   if extra is True:
@@ -96,39 +147,59 @@ def measure(path: str, steps: int, workdir: str, timeout: int) -> dict:
     env.update(profile.environment("hopper", env))
   elif extra:
     env.update({k: f"{env.get(k, '')} {v}".strip() for k, v in extra.items()})
-  try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-  except subprocess.TimeoutExpired:
-    return {"error": f"timed out after {timeout}s"}
-  peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
-  metrics = pathlib.Path(workdir, f"{path}.jsonl")
-  if proc.returncode != 0 or not metrics.exists():
-    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip() and "[NO-OP]" not in l]
-    tail = [l for l in lines if "rror" in l][-3:] or lines[-6:]
-    return {"error": " | ".join(tail)[-1500:]}
-  rows = [json.loads(l) for l in metrics.read_text().splitlines()]
-  steady = rows[3:] or rows[-1:]
-  return {
-      "tokens_per_s": statistics.median(r["perf/per_device_tokens_per_sec"] for r in steady),
-      "tflops_per_device": statistics.median(r["perf/per_device_tflops_per_sec"] for r in steady),
-      "step_time_s": statistics.median(r["perf/step_time_seconds"] for r in steady),
-      "loss_last": rows[-1]["learning/loss"],
-      "peak_hbm_gib": (peak[0]["peak_bytes"] / 2**30) if peak and peak[0]["peak_bytes"] else None,
-      "steps_measured": len(steady),
-  }
+  return env
+
+
+def measure(run: str, steps: int, workdir: str, timeout: int, smoke: bool = False) -> dict:
+  return training_runs.measure(run, args_of(run, smoke), steps, workdir, timeout, environment(split_name(run)[0]))
 
 
 def ratios(paths: dict) -> dict:
-  """Every path's tokens/s and peak HBM over `stock_best`'s (and over `tokamax_gmm`'s, as before)."""
+  """Every run's tokens/s and peak HBM over `stock_best`'s at the same depth (and over `tokamax_gmm`'s)."""
   out = {}
-  for base in ("stock_best", "tokamax_gmm"):
-    ref = paths.get(base, {})
-    for name, row in paths.items():
-      if name != base and row.get("tokens_per_s") and ref.get("tokens_per_s"):
+  for name, row in paths.items():
+    path, layers = split_name(name)
+    for base in ("stock_best", "tokamax_gmm"):
+      ref = paths.get(run_name(base, layers), {})
+      if path == base:
+        continue
+      if row.get("tokens_per_s") and ref.get("tokens_per_s"):
         out[f"{name}_over_{base}_tokens"] = row["tokens_per_s"] / ref["tokens_per_s"]
-      if name != base and row.get("peak_hbm_gib") and ref.get("peak_hbm_gib"):
+      if row.get("peak_hbm_gib") and ref.get("peak_hbm_gib"):
         out[f"{name}_over_{base}_peak_hbm"] = row["peak_hbm_gib"] / ref["peak_hbm_gib"]
   return out
+
+
+def marginal(paths: dict) -> dict:
+  """Per path measured at two or more depths: ms per MoE decoder layer between its shallowest and
+  deepest runs, the fixed part, the deepest run's peak HBM, and stock_best's per-layer time over it."""
+  depths: dict[str, dict[int, dict]] = {}
+  for name, row in paths.items():
+    if row.get("step_time_s"):
+      path, layers = split_name(name)
+      depths.setdefault(path, {})[layers] = row
+  out = {}
+  for path, rows in depths.items():
+    if len(rows) < 2:
+      continue
+    a, b = min(rows), max(rows)
+    per_layer = 1e3 * (rows[b]["step_time_s"] - rows[a]["step_time_s"]) / (b - a)
+    out[path] = {"ms": per_layer, "fixed_ms": 1e3 * rows[a]["step_time_s"] - (a - 1) * per_layer, "layers": [a, b],
+                 "peak_hbm_gib_deepest": rows[b].get("peak_hbm_gib")}
+  stock = out.get("stock_best", {}).get("ms")
+  for row in out.values():
+    if stock and row["ms"] > 0:
+      row["stock_best_over_this"] = stock / row["ms"]
+  return out
+
+
+def headline(per_path: dict) -> dict | None:
+  """`marginal_moe_layer`: the shipped config's and stock_best's ms per MoE decoder layer, stock / temoe."""
+  temoe, stock = per_path.get("temoe_fp8"), per_path.get("stock_best")
+  if not (temoe and stock):
+    return None
+  return {"temoe_ms": temoe["ms"], "stock_best_ms": stock["ms"], "ratio": stock["ms"] / temoe["ms"],
+          "temoe_fixed_ms": temoe["fixed_ms"], "stock_best_fixed_ms": stock["fixed_ms"], "layers": temoe["layers"]}
 
 
 def plot(result: dict, png: str) -> None:
@@ -138,42 +209,71 @@ def plot(result: dict, png: str) -> None:
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   names = [k for k, v in result["paths"].items() if "tokens_per_s" in v]
-  fig, ax = plt.subplots(figsize=(7, 3.5))
+  per_layer = result.get("marginal", {})
+  fig, axes = plt.subplots(1, 2 if per_layer else 1, figsize=(11 if per_layer else 7, 3.5), squeeze=False)
+  ax = axes[0][0]
   ax.bar(names, [result["paths"][k]["tokens_per_s"] for k in names], color="#76b900")
   ax.set_ylabel("tokens/s/device")
-  ax.set_title("DeepSeek-V3 proxy (3 layers, 32 experts), 1 GPU")
+  ax.set_title("DeepSeek-V3 proxy (32 experts), 1 GPU; @N: N layers")
   ax.tick_params(axis="x", labelsize=7, rotation=30)
+  if per_layer:
+    ax = axes[0][1]
+    ax.bar(list(per_layer), [v["ms"] for v in per_layer.values()], color="#5e8fd1")
+    ax.set_ylabel("ms per MoE decoder layer")
+    ax.set_title("marginal MoE decoder layer")
+    ax.tick_params(axis="x", labelsize=7, rotation=30)
   fig.tight_layout()
   fig.savefig(png, dpi=120)
 
 
+def runs_of(paths: str, layers: str) -> list[str]:
+  """The runs asked for, depth by depth: each path at each depth of `layers` ('path@N': at N only)."""
+  depths = layers.split(",")
+  if not all(d.isdigit() and int(d) >= 2 for d in depths):
+    raise SystemExit(f"--layers={layers}: give depths of at least 2 layers (1 dense + MoE), e.g. 3,5")
+  runs = []
+  for depth in map(int, depths):
+    for entry in paths.split(","):
+      path, _ = split_name(entry)
+      name = entry if "@" in entry else run_name(path, depth)
+      if name not in runs:
+        runs.append(name)
+  return runs
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--paths", default="temoe_fp8,stock_best,temoe_bf16_moe,temoe_fp8_te")
-  parser.add_argument("--steps", type=int, default=10)
-  parser.add_argument("--timeout", type=int, default=240)
+  parser.add_argument("--paths", default="temoe_fp8,stock_best", help=f"comma list of: {', '.join(PATHS)} (path@N: N layers only)")
+  parser.add_argument("--layers", default="3,5", help="depths every path runs at (1 dense + the rest MoE)")
+  parser.add_argument("--steps", type=int, default=12)
+  parser.add_argument("--timeout", type=int, default=150, help="seconds per run")
   parser.add_argument("--out", default="bench/results")
-  parser.add_argument("--worker")
-  parser.add_argument("--workdir")
+  parser.add_argument("--smoke", action="store_true", help="tiny widths on this CPU: exercises the code, times nothing")
   args = parser.parse_args()
-  if args.worker:
-    worker(args.worker, args.steps, args.workdir)
-    return
+  runs = runs_of(args.paths, args.layers)
   workdir = tempfile.mkdtemp(prefix="proxy-")
   result = {"command": " ".join(["python", "bench/proxy_1gpu.py", *sys.argv[1:]]), "shipped_config": "configs/deepseek3-proxy-1gpu.yml",
-            "stock_moe_flags": STOCK_MOE, "proxy_flags": PROXY, "paths": {}}
-  for path in args.paths.split(","):
-    result["paths"][path] = measure(path, args.steps, workdir, args.timeout)
-    print(path, json.dumps(result["paths"][path]), flush=True)
+            "stock_moe_flags": STOCK_MOE, "proxy_flags": PROXY, "smoke": args.smoke, "paths": {}}
+  os.makedirs(args.out, exist_ok=True)
+  for run in runs:
+    result["paths"][run] = measure(run, args.steps, workdir, args.timeout, args.smoke)
+    print(run, json.dumps(result["paths"][run]), flush=True)
     result["ratios"] = ratios(result["paths"])
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:  # after every path
+    result["marginal"] = marginal(result["paths"])
+    if headline(result["marginal"]):
+      result["marginal_moe_layer"] = headline(result["marginal"])
+    with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:  # after every run
       json.dump(result, f, indent=1)
   try:
     plot(result, os.path.join(args.out, "proxy_1gpu.png"))
   except ImportError as exc:
     print("no plot:", exc)
   print(json.dumps(result["ratios"]))
+  for path, row in result["marginal"].items():
+    print(f"marginal MoE decoder layer {path}: {row['ms']:.2f} ms (fixed {row['fixed_ms']:.1f} ms, "
+          f"layers {row['layers']}, peak {row['peak_hbm_gib_deepest']} GiB at the deepest)")
+  if "marginal_moe_layer" in result:
+    print("marginal_moe_layer " + json.dumps(result["marginal_moe_layer"]))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on a GPU host with TE 2.20 + MaxText 0.2.5 installed
-# (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, proxy.
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [proxy [--paths a,b]]    (default: all five)
+# (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, small, proxy,
+# calibrate (the step model's rates: bench/calibrate.py, into $out/calibration).
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [proxy [--paths a,b]]
+#   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +18,8 @@ for i in "${!stages[@]}"; do
     gemm) python3 bench/mosaic_gemm.py --out "$out" || rc=1 ;;  # tile sweep of temoe's kernels, with correctness
     quant) python3 bench/fp8_quant.py --out "$out" || rc=1 ;;  # FP8 cast-transpose block sweep, bit-checked vs XLA
     layer) python3 bench/moe_layer.py --out "$out" || rc=1 ;;
+    small) python3 bench/small_model.py --out "$out" --data learnable --steps 300 --profile || rc=1 ;;  # 4 paths + 2 profiles
+    calibrate) python3 bench/calibrate.py --out "$out/calibration" || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done

@@ -16,7 +16,8 @@ import os
 
 @dataclasses.dataclass(frozen=True)
 class GPU:
-  """One GPU temoe plans for: how JAX names it, its architecture, nominal HBM and dense peaks."""
+  """One GPU temoe plans for: how JAX names it, its architecture, nominal HBM, dense peaks, and the
+  links of the systems it ships in (what `temoe plan`'s step model prices collectives with)."""
 
   name: str  # --gpu value
   device_kind: str  # jax.Device.device_kind
@@ -24,22 +25,53 @@ class GPU:
   hbm_gib: float
   bf16_tflops: float  # dense (no 2:4 sparsity) tensor-core peak
   fp8_tflops: float  # FP8 and MXFP8 run at the same rate
+  hbm_tbps: float  # HBM bandwidth, TB/s
+  nvlink_gbps: float  # NVLink bandwidth per GPU and direction, GB/s
+  nvlink_domain: int  # GPUs one NVLink (NVSwitch) domain joins
+  gpus_per_node: int  # GPUs per node (compute tray): a MaxText slice when each node is one
+  scale_out_gbps: float  # scale-out NIC bandwidth per GPU and direction, GB/s (InfiniBand / RoCE)
+  host_gbps: float  # GPU <-> host memory per GPU and direction, GB/s (what host offload moves over)
+  sources: tuple[str, ...] = ()  # where each figure comes from
 
 
-# H100 SXM5: bf16 989.4, fp8 1978.9 (NVIDIA H100 datasheet, as tabulated at
-# glennklockwood.com/garden/processors/h100); H200 SXM is the same GH100 compute with more HBM.
-# B200 (HGX, 1000 W): bf16 2250, fp8 4500; GB200 (NVL72, 1200 W): bf16 2500, fp8 5000 (NVIDIA's
-# GB200 NVL72 / HGX B200 spec tables: 10 and 9 PFLOPS sparse FP8 per GPU).
+_KLOCKWOOD_H100 = "glennklockwood.com/garden/processors/h100 (NVIDIA H100 datasheet): bf16 989.4, fp8 1978.9 dense"
+_H100_H200 = ("lzwjava.github.io/nvidia-h200-gpu-specs-en: H100 SXM 80 GB HBM3 3.35 TB/s, H200 SXM 141 GB HBM3e "
+              "4.8 TB/s, same compute (FP8 3,958 TFLOPS with sparsity), NVLink 4 900 GB/s bidirectional per GPU")
+_HGX_NIC = ("docs.nvidia.com/reference-architectures/hgx-ai-factory-h100-h200-b200: HGX H100/H200/B200 nodes of 8 "
+            "GPUs, one 400 Gb/s SuperNIC per GPU (2-8-9-400)")
+_HGX_PCIE = ("mlcommons inference_results_v4.1 H200-SXM-141GBx8 system: host interconnect PCIe Gen5 x16 "
+             "(64 GB/s per direction)")
+_B200 = ("glennklockwood.com/garden/processors/B200: HGX B200 (1,000 W) bf16 2,250, fp8 4,500 dense; GB200's B200 "
+         "(1,200 W) bf16 2,500, fp8 5,000 dense; 8 TB/s HBM")
+_NVL5 = "verda.com/blog/gb300-nvl72-architecture: fifth-generation NVLink 1.8 TB/s per GPU (900 GB/s unidirectional)"
+_NVL72 = ("docs.nvidia.com/multi-node-nvlink-systems/multi-node-tuning-guide/system.html: GB200 NVL72 = 18 compute "
+          "trays of 4 GPUs in one NVLink domain")
+_GB200_NIC = ("mlcommons inference_results_v6.1 GB200-NVL72_GB200-186GB system: 186 GB HBM3e per GPU, 4 ConnectX-7 "
+              "(400 Gb/s) per 4-GPU tray, host over NVLink-C2C")
+_C2C = ("setloop.io/blog/gb200-nvl72-architecture: NVLink-C2C 900 GB/s between a Grace and its two Blackwell GPUs "
+        "(225 GB/s per GPU and direction)")
+_GB300 = ("verda.com/blog/gb300-nvl72-architecture: GB300 fp8 5 PFLOPS, bf16 2.5 PFLOPS dense, 279 GB HBM3e, "
+          "8 TB/s")
+_GB300_NIC = ("docs.nvidia.com/enterprise-reference-architectures/nvl72-ai-factory (GB300 NVL72: 4 ConnectX-8 per "
+              "4-GPU tray); NVIDIA's GB300 record article (seeds): ConnectX-8 at 800 Gb/s per GPU")
+
 GPUS = {
     gpu.name: gpu
     for gpu in (
-        GPU("h100", "NVIDIA H100 80GB HBM3", (9, 0), 80.0, 989.4, 1978.9),
-        GPU("h200", "NVIDIA H200", (9, 0), 141.0, 989.4, 1978.9),
-        GPU("b200", "NVIDIA B200", (10, 0), 180.0, 2250.0, 4500.0),
-        GPU("gb200", "NVIDIA GB200", (10, 0), 186.0, 2500.0, 5000.0),
+        GPU("h100", "NVIDIA H100 80GB HBM3", (9, 0), 80.0, 989.4, 1978.9, 3.35, 450.0, 8, 8, 50.0, 64.0,
+            (_KLOCKWOOD_H100, _H100_H200, _HGX_NIC, _HGX_PCIE)),
+        GPU("h200", "NVIDIA H200", (9, 0), 141.0, 989.4, 1978.9, 4.8, 450.0, 8, 8, 50.0, 64.0,
+            (_KLOCKWOOD_H100, _H100_H200, _HGX_NIC, _HGX_PCIE)),
+        GPU("b200", "NVIDIA B200", (10, 0), 180.0, 2250.0, 4500.0, 8.0, 900.0, 8, 8, 50.0, 64.0,
+            (_B200, _NVL5, _HGX_NIC, "HGX B200: host over PCIe Gen5 x16 (64 GB/s per direction)")),
+        GPU("gb200", "NVIDIA GB200", (10, 0), 186.0, 2500.0, 5000.0, 8.0, 900.0, 72, 4, 50.0, 225.0,
+            (_B200, _NVL5, _NVL72, _GB200_NIC, _C2C)),
+        GPU("gb300", "NVIDIA GB300", (10, 3), 279.0, 2500.0, 5000.0, 8.0, 900.0, 72, 4, 100.0, 225.0,
+            (_GB300, _NVL5, _NVL72, _GB300_NIC, _C2C)),
     )
 }
-"""--gpu name -> GPU: the one table `temoe plan`, the FLOP/MFU count and the config checks read."""
+"""--gpu name -> GPU: the one table `temoe plan` (memory and step time), the FLOP/MFU count and the config
+checks read. Link figures are per GPU and direction; none of them was measured by this project."""
 
 
 def gpu_of_kind(device_kind: str) -> GPU | None:

@@ -27,8 +27,13 @@ MODELS = ("deepseek3-smoke", "deepseek3-proxy")
 
 HOPPER, BLACKWELL = (9, 0), (10, 0)
 
-MOSAIC_TILE = 128
-"""temoe's Mosaic GPU kernels tile K and N by 128 (temoe.moe.experts.mosaic_gemm.check_shapes)."""
+MOSAIC_DIM_MULTIPLE = {"none": 64, "current": 16, "blockwise": 16}
+"""Per operand scaling, what K and N (emb_dim, moe_mlp_dim) must be multiples of on temoe's Mosaic
+GPU kernels (temoe.moe.experts.mosaic_gemm.check_shapes). wgmma reads operands from 128-byte
+swizzled shared-memory tiles, and Mosaic GPU's TMA needs every dim it tiles to be a multiple of the
+tile: 64 bf16 elements. bf16 reads the weights as stored, so K and N must be multiples of 64. FP8
+operands are fresh copies every step (the quantizers write them), so they are written padded to
+whole 128-element tiles at no extra pass, and K and N need only be multiples of 16 (16-byte rows)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +60,8 @@ class Recipe:
   summary: str
   fwd_dtype: str  # operands of the forward GEMMs (and of wgrad's activations)
   bwd_dtype: str  # the incoming gradient's operand in dgrad and wgrad
-  scaling: str  # "none", "current" (per-tensor amax of this step) or "mxfp8" (1x32 blocks, E8M0 scales)
+  scaling: str  # "none", "current" (per-expert amax of this step), "blockwise" (DeepSeek-V3's 1x128 /
+  # 128x128 fp32 block scales, promoted per 128 of K) or "mxfp8" (1x32 blocks, E8M0 scales)
   min_compute_capability: tuple[int, int] | None
   align: Mapping[str, int]  # kernel -> rows per expert group; its keys, in order, are `auto`'s preference
   error_bound: tuple[float, float]  # (forward, gradients) relative error vs float32 in tests/gpu
@@ -77,7 +83,9 @@ class Recipe:
 # mosaic: its tiles are 128 rows and FP8 registers cannot be masked, so groups are whole tiles.
 # Error bounds: measured on the H200 (bench/results/gpu_tests.log) FP8 current scaling forward
 # 0.066-0.116 and gradients 0.080-0.134 (E4M3 forward through two GEMMs, E5M2 gradients through two
-# more); the bounds sit above that with margin for other seeds.
+# more); the bounds sit above that with margin for other seeds. Blockwise: one grouped GEMM measured
+# 0.037 (y, dx, dw) on the H200 (bench/results/gpu_blockwise.log) and the expert MLP ~0.06 in interpret
+# mode (two GEMMs, E4M3 gradients); tests/gpu also holds it to current scaling's error on the same inputs.
 REGISTRY: dict[str, Recipe] = {
     r.name: r
     for r in (
@@ -85,6 +93,9 @@ REGISTRY: dict[str, Recipe] = {
                {"mosaic": 128, "te": 1, "xla": 1}, (1e-2, 1e-2), 0.0),
         Recipe("te_fp8_current", "FP8 with current scaling: E4M3 forward, E5M2 gradients", "float8_e4m3fn",
                "float8_e5m2", "current", (8, 9), {"mosaic": 128, "te": 16}, (0.15, 0.2), 1.0),
+        Recipe("te_fp8_blockwise", "FP8 with DeepSeek-V3's block scales: E4M3 throughout, 1x128 activation "
+               "and 128x128 weight scales, fp32 promotion per 128 of K", "float8_e4m3fn", "float8_e4m3fn",
+               "blockwise", HOPPER, {"mosaic": 128}, (0.1, 0.1), 1.0 + 4.0 / 128),
         Recipe("te_mxfp8", "MXFP8: E4M3 with a power-of-two scale per 32 elements", "float8_e4m3fn",
                "float8_e4m3fn", "mxfp8", BLACKWELL, {"te": 128}, (0.15, 0.2), 1.0 + 1.0 / 32),
     )
@@ -148,11 +159,17 @@ def why_not(recipe: str, kernel: str, platform, shape: ModelShape | None = None)
     return f"{recipe} needs {_arch(r.min_compute_capability)}."
   if kernel == "mosaic":
     if cc[0] != HOPPER[0]:
-      return "temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); this GPU takes the te backend."
+      if "te" in r.align:
+        return "temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); this GPU takes the te backend."
+      others = [n for n, o in REGISTRY.items() if o.fp8 and "te" in o.align
+                and not (o.min_compute_capability and cc < o.min_compute_capability)]
+      return (f"temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); {recipe} runs on Hopper only"
+              f" (here: {' or '.join(others) or 'te_no_quant'}).")
     if importlib.util.find_spec("jax.experimental.mosaic.gpu") is None:
       return "this JAX has no Mosaic GPU (jax.experimental.mosaic.gpu)."
-    if shape is not None and (shape.emb % MOSAIC_TILE or shape.ffn % MOSAIC_TILE):
-      return (f"temoe's Mosaic GPU kernels need emb_dim and moe_mlp_dim multiples of {MOSAIC_TILE} "
+    multiple = MOSAIC_DIM_MULTIPLE[r.scaling]
+    if shape is not None and (shape.emb % multiple or shape.ffn % multiple):
+      return (f"temoe's Mosaic GPU kernels need emb_dim and moe_mlp_dim multiples of {multiple} for {recipe} "
               f"(this model: {shape.emb}, {shape.ffn}).")
     if shape is not None and shape.dtype != "bfloat16":
       return f"temoe's Mosaic GPU kernels compute in bfloat16 (FP8 inside), this model's dtype is {shape.dtype}."
@@ -200,8 +217,9 @@ def resolve_backend(backend: str, recipe: str, platform, shape: ModelShape | Non
     if "xla" in r.align and (platform.device_platform != "gpu" or not r.fp8):
       return "xla"
     if platform.device_platform != "gpu":
+      need = "a GPU with Transformer Engine" if "te" in r.align else "a Hopper GPU (temoe's Mosaic GPU kernels)"
       raise TemoeConfigError(
-          f"te_gmm_quantization={recipe} needs a GPU with Transformer Engine; this process has {where}. "
+          f"te_gmm_quantization={recipe} needs {need}; this process has {where}. "
           "Valid choice here: te_gmm_quantization=te_no_quant (reference xla backend)."
       )
     reasons = "; ".join(f"{k}: {why_not(recipe, k, platform, shape)}" for k in r.align)

@@ -34,8 +34,10 @@ def test_a_ready_gpu_with_the_profile_in_force_has_no_problem(plat, arch):
   n = len(env.settings(arch))
   assert lines["profile"] == f"{arch}: {n} of {n} in force, 0 yours, 0 missing"
   mxfp8 = "te_gmm_quantization=te_mxfp8: te_mxfp8 needs Blackwell (sm_100+)."
-  assert report.warnings == ([] if arch == "blackwell" else [mxfp8])
-  expected = {"hopper": "te_no_quant (mosaic), te_fp8_current (mosaic)",
+  blockwise = ("te_gmm_quantization=te_fp8_blockwise: temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); "
+               "te_fp8_blockwise runs on Hopper only (here: te_fp8_current or te_mxfp8).")
+  assert report.warnings == ([blockwise] if arch == "blackwell" else [mxfp8])
+  expected = {"hopper": "te_no_quant (mosaic), te_fp8_current (mosaic), te_fp8_blockwise (mosaic)",
               "blackwell": "te_no_quant (te), te_fp8_current (te), te_mxfp8 (te)"}
   assert lines["recipes"] == expected[arch]
 
@@ -44,7 +46,8 @@ def test_old_cublas_is_a_warning_naming_the_version_te_needs():
   old = Platform("gpu", "NVIDIA H100", (9, 0), "2.20.2", None, (13, 1, 0))
   report = doctor.diagnose(old, env.environment("hopper"), None, NCCL)
   # bf16 runs on temoe's sync-free kernels there; TE's own bf16 grouped GEMM would not
-  assert report.problems == [] and dict(report.lines)["recipes"] == "te_no_quant (mosaic), te_fp8_current (mosaic)"
+  assert report.problems == [] and dict(report.lines)["recipes"] == \
+      "te_no_quant (mosaic), te_fp8_current (mosaic), te_fp8_blockwise (mosaic)"
   assert any("te_no_quant with te_moe_backend=te" in w and "cuBLAS >= 13.4" in w and "13.1.0" in w
              for w in report.warnings)
 

@@ -17,7 +17,7 @@ from temoe.moe.experts import mosaic, mosaic_gemm, xla
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
 
 
-@pytest.mark.parametrize("recipe", ["te_no_quant", "te_fp8_current"])
+@pytest.mark.parametrize("recipe", ["te_no_quant", "te_fp8_current", "te_fp8_blockwise"])
 def test_mosaic_mlp_matches_xla_in_interpret_mode(recipe, monkeypatch):
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)  # a CPU device reports no SMs: a 4-SM persistent grid
   align = recipes.row_alignment(recipe, "mosaic")

@@ -116,7 +116,19 @@ def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[
   if seam_error:
     report.problems.append(seam_error)
   _profile(report, arch, environ)
+  _hazards(report, plat, environ, nccl)
   return report
+
+
+def _hazards(report: Report, plat, environ: dict[str, str], nccl) -> None:
+  """Known scale hazards this machine's GPU, XLA_FLAGS and NCCL run into (temoe.deploy.hazards)."""
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.deploy import hazards  # pylint: disable=import-outside-toplevel
+
+  gpu = hardware.gpu_of_kind(plat.device_kind) if plat.device_platform == "gpu" else None
+  found = hazards.for_machine(gpu.nvlink_domain if gpu else None, gpu.gpus_per_node if gpu else None,
+                              environ.get("XLA_FLAGS", ""), nccl)
+  report.warnings += [f"{h.what}. Avoid: {h.fix} ({h.source})." for h in found]
 
 
 def _profile(report: Report, arch: str | None, environ: dict[str, str]) -> None:

@@ -150,14 +150,21 @@ def environment(arch: str | None, environ: dict[str, str] | None = None) -> dict
   return {"XLA_FLAGS": xla_flags, **out} if xla_flags else out
 
 
-def in_force(arch: str | None, environ: dict[str, str]) -> list[tuple[Setting, str | None]]:
-  """Each setting of `arch` with the value `environ` gives it (None: not set), for `temoe doctor`."""
+def parse_xla_flags(xla_flags: str) -> dict[str, str]:
+  """flag name -> value of an XLA_FLAGS string, older spellings under the profile's name; XLA applies the
+  last occurrence, so does this."""
   canonical = {alias: s.name for s in PROFILE for alias in s.aliases}
   flags = {}
-  for token in environ.get("XLA_FLAGS", "").split():
+  for token in xla_flags.split():
     if token.startswith("--"):
       name, _, value = token[2:].partition("=")
-      flags[canonical.get(name, name)] = value  # XLA applies the last one
+      flags[canonical.get(name, name)] = value
+  return flags
+
+
+def in_force(arch: str | None, environ: dict[str, str]) -> list[tuple[Setting, str | None]]:
+  """Each setting of `arch` with the value `environ` gives it (None: not set), for `temoe doctor`."""
+  flags = parse_xla_flags(environ.get("XLA_FLAGS", ""))
   return [(s, (flags if s.is_xla_flag else environ).get(s.name)) for s in settings(arch)]
 
 

@@ -3,11 +3,29 @@
 What MaxText builds is read from MaxText: the train state (parameters, optimizer state) is
 train_compile's abstract state, sharded by the config's logical axis rules over its mesh (an
 AbstractMesh will do: nothing is allocated). What no API reports is modelled, in
-`temoe.tools.hbm_activations`: gradients (one copy of the trainable parameters), the activations the
-remat policy keeps, the working set of the layer being differentiated (FSDP's gathered weights and
-full gradients of that layer included), and the loss's logits.
+`temoe.tools.hbm_activations`: the activations the remat policy keeps, the working set of the layer
+being differentiated (FSDP's gathered weights and full gradients of that layer included), and the
+loss's logits.
 
-peak = parameters + optimizer state + gradients + saved activations + max(layer, loss).
+The step's memory is followed through its phases, since what is live changes between them:
+
+  loss         parameters, optimizer state, layer-major copies, saved activations, the logits
+  MoE layers   ... + the gradients of the loss head and of the MoE layers, one MoE layer's working set
+  dense layers ... + the dense layers' gradients; the MoE layers' activations and copy are gone
+  optimizer    parameters, optimizer state, every gradient
+
+Layer-major copies: MaxText stacks each scanned block's parameters on axis `param_scan_axis` (1) and
+moves that axis first for jax.lax.scan (nnx_decoders' moveaxis); XLA materializes the moved stack
+(the H200 profile of the 1-GPU proxy shows the transpose of the experts' stack once per step, the
+XLA:CPU buffer assignment a copy of every stack), and the backward scan reads it again, so it lives
+until that block's backward ends. Gradients exist only from the backward that computes them on: at
+a MoE layer's backward the embedding's and the dense layers' are not computed yet (the XLA:CPU
+buffer assignment at the train step's peak holds neither).
+
+The rows `temoe plan` prints: the resident ones (parameters, optimizer state, layer-major copies,
+gradients, saved activations) are each at their largest; each phase row is what that phase holds
+beyond them, net of what is not live then (so it can be negative).
+peak = resident rows + the largest phase row.
 """
 
 from __future__ import annotations
@@ -16,12 +34,13 @@ import dataclasses
 import math
 
 from temoe.tools import hbm_activations as act
-from temoe.tools.hbm_activations import Part, moe_rows, saved_activations, shapes
+from temoe.tools.hbm_activations import GIB, Part, moe_rows, saved_activations, shapes
+
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-  resident: tuple[Part, ...]  # held through the whole step
-  layers: tuple[Part, ...]  # transient: one of these at a time
+  resident: tuple[Part, ...]  # each at its largest during the step
+  layers: tuple[Part, ...]  # one per phase: what it holds beyond the resident rows, net
   host: float  # bytes MaxText places in host memory (offloaded state)
 
   @property
@@ -62,7 +81,7 @@ def abstract_state(config, mesh):
   return introspect.abstract_state(config, mesh)
 
 
-SCANNED_BLOCKS = {"layers", "dense_layers", "moe_layers"}
+SCANNED_BLOCKS = ("layers", "dense_layers", "moe_layers")
 """Where MaxText's decoder keeps layer-stacked (scanned) parameters."""
 
 KEPT_AXES = {"tensor", "tensor_sequence"}
@@ -74,12 +93,29 @@ def gathered_bytes(leaf, num_experts: int) -> int:
   return shard_bytes(leaf, keep=lambda axis, dim: axis in KEPT_AXES or (axis == "expert" and dim == num_experts))
 
 
+def block_of(keys: list[str]) -> str:
+  """Which part of the model a parameter path belongs to: a scanned block, the embedding, or the head
+  (final norm, logits: everything after the layers)."""
+  for block in SCANNED_BLOCKS:
+    if block in keys:
+      return block
+  return "embedding" if "token_embedder" in keys else "head"
+
+
+def layer_counts(config) -> dict[str, int]:
+  dense = config.first_num_dense_layers
+  return {"dense_layers": dense, "moe_layers": config.num_decoder_layers - dense, "layers": config.num_decoder_layers}
+
+
 def state_parts(state, config) -> tuple[list[Part], dict]:
-  """Parameters, optimizer state and gradients per device, from the abstract state."""
+  """Parameters, optimizer state, layer-major copies and gradients per device, from the abstract
+  state; the sums by block in the dict (`grads`, `copies`, `<block>_gather`)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  sums = {"params": 0, "trainable": 0, "opt": 0, "host": 0, "count": 0, "stacked": 0}
+  sums = {"params": 0, "opt": 0, "host": 0, "count": 0, "grads": {}, "copies": {}}
   params = {}
+  counts = layer_counts(config)
+  moved = config.scan_layers and config.param_scan_axis != 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
     keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
     if on_host(leaf):
@@ -87,8 +123,10 @@ def state_parts(state, config) -> tuple[list[Part], dict]:
     elif keys[0] == "model":
       sums["params"] += shard_bytes(leaf)
       params[tuple(keys[1:])] = leaf
-      for block in set(keys) & SCANNED_BLOCKS:  # per block: all layers, as held and as gathered
-        sums["stacked"] += shard_bytes(leaf)
+      block = block_of(keys)
+      if block in SCANNED_BLOCKS:  # all its layers, as held and as gathered
+        if moved and counts[block] > 1:  # moving an axis of length 1 first is a bitcast, not a copy
+          sums["copies"][block] = sums["copies"].get(block, 0) + shard_bytes(leaf)
         extra = gathered_bytes(leaf, config.num_experts) - shard_bytes(leaf)
         sums[f"{block}_gather"] = sums.get(f"{block}_gather", 0) + extra
     elif keys[0] == "optimizer":
@@ -98,14 +136,18 @@ def state_parts(state, config) -> tuple[list[Part], dict]:
     if "mu" in keys:  # Adam's first moment mirrors exactly the trainable parameters
       param = params.get(tuple(keys[keys.index("mu") + 1:]))
       if param is not None:
-        sums["trainable"] += shard_bytes(param)
+        block = block_of(keys)
+        sums["grads"][block] = sums["grads"].get(block, 0) + shard_bytes(param)
         sums["count"] += param.size
+  copies = sum(sums["copies"].values())
   parts = [
       Part("parameters", sums["params"], f"{count_text(sums['count'])} trainable, sharded as MaxText shards them"),
       Part("optimizer state", sums["opt"], "as the optimizer MaxText builds (Adam: mu, nu)"),
-      Part("gradients", sums["trainable"], "one copy of the trainable parameters"),
+      Part("layer-major copies", copies, "each scanned block's stacked parameters, layer axis moved first for the "
+                                         "scan: live until that block's backward ends"),
+      Part("gradients", sum(sums["grads"].values()), "one copy of the trainable parameters, by the optimizer step"),
   ]
-  return parts, sums
+  return [p for p in parts if p.bytes or p.name != "layer-major copies"], sums
 
 
 def count_text(n: int) -> str:
@@ -114,13 +156,14 @@ def count_text(n: int) -> str:
 
 def gathered_layer(config, sums: dict, block: str) -> float:
   """FSDP: one layer's weights all-gathered, and its full gradients before the reduce-scatter (the
-  extra over the shards already counted). MaxText stacks all layers in `layers` unless DeepSeek's
-  dense/MoE split applies."""
-  dense = config.first_num_dense_layers
-  counts = {"dense_layers": dense, "moe_layers": config.num_decoder_layers - dense, "layers": config.num_decoder_layers}
+  extra over the shards already counted)."""
   if f"{block}_gather" not in sums:
     block = "layers"
-  return 2 * sums.get(f"{block}_gather", 0) / max(counts[block], 1)
+  return 2 * sums.get(f"{block}_gather", 0) / max(layer_counts(config)[block], 1)
+
+
+def gib(n: float) -> str:
+  return f"{n / GIB:.2f}"
 
 
 def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estimate:
@@ -128,20 +171,35 @@ def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estima
   temoe's `te`, `mosaic` or `xla`, or `gmm` (MaxText's own MoE on a grouped-GEMM kernel: no dense expansion)."""
   state = abstract_state(config, mesh)
   resident, sums = state_parts(state, config)
-  if device_platform == "cpu" and config.scan_layers:
-    resident.append(Part("scanned weights, layer-major", 2 * sums["stacked"],
-                         "XLA:CPU copies stacked weights and their gradients to layer-major for the scan"))
   s = shapes(config, mesh)
   moe = config.num_experts > 1 and config.num_decoder_layers > config.first_num_dense_layers
-  routed = moe_rows(config, s, backend)[1] if moe else 0
-  resident.append(saved_activations(config, s, routed))
+  rows = moe_rows(config, s, backend)[1] if moe else 0
+  saved = saved_activations(config, s, rows, backend)
+  resident.append(saved.part(config))
+  grads, copies = sums["grads"], sums["copies"]
+  split = "moe_layers" in grads  # DeepSeek's decoder: dense_layers then moe_layers, each scanned
+  layers_block = "moe_layers" if split else "layers"
+  not_yet = {"loss": sum(v for k, v in grads.items() if k != "head"),
+             "moe": grads.get("embedding", 0) + grads.get("dense_layers", 0)}
   attention = act.attention(config, s)
-  dense = attention + act.dense_mlp(config, s) + gathered_layer(config, sums, "dense_layers")
-  layers = [Part("layer working set (dense layer)", dense,
-                 f"{config.attention} attention + MLP, recomputed and differentiated")]
+  phases = []
   if moe:
-    routed_moe = attention + act.moe_layer(config, s, backend) + gathered_layer(config, sums, "moe_layers")
-    layers.append(Part("layer working set (MoE layer)", routed_moe,
-                       f"attention + {backend} MoE: {routed} buffer rows x emb {s.emb}"))
-  layers.append(act.loss(config, s))
-  return Estimate(tuple(resident), tuple(layers), sums["host"])
+    moe_set, where = act.moe_layer(config, s, backend, device_platform)
+    working = attention + moe_set + act.shared_experts(config, s) + gathered_layer(config, sums, layers_block)
+    phases.append(Part("layer working set (MoE layer)", working - not_yet["moe"],
+                       f"{gib(working)} GiB attention + {backend} MoE ({where}); less the gradients not computed yet "
+                       f"(embedding{', dense layers' if split else ''}) {gib(not_yet['moe'])}"))
+  dense_set = attention + act.dense_mlp(config, s) + gathered_layer(config, sums, "dense_layers" if split else "layers")
+  if split or not moe:  # the dense layers' backward comes after the MoE layers': their copy and activations are gone
+    gone = (copies.get("moe_layers", 0) + saved.moe) if split else 0.0
+    phases.append(Part("layer working set (dense layer)", dense_set - grads.get("embedding", 0) - gone,
+                       f"{gib(dense_set)} GiB {config.attention} attention + MLP, recomputed and differentiated; less the "
+                       f"embedding's gradient not computed yet{' and what the MoE layers held' if split else ''} "
+                       f"{gib(grads.get('embedding', 0) + gone)}"))
+  logits = act.loss(config, s)
+  phases.append(Part("loss (logits)", logits - not_yet["loss"],
+                     f"{gib(logits)} GiB logits, float32 log-softmax, one-hot targets, gradient; less the gradients "
+                     f"not computed yet (all but the head's) {gib(not_yet['loss'])}"))
+  phases.append(Part("optimizer step", -(sum(copies.values()) + saved.dense + saved.moe),
+                     "every gradient; no activations, no layer-major copies"))
+  return Estimate(tuple(resident), tuple(phases), sums["host"])

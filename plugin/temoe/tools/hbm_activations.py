@@ -6,6 +6,12 @@ Tokens per device follow MaxText's activation sharding; heads and MLP widths spl
 axis; MoE rows follow temoe's dispatch (rows = tokens * top_k, padded per expert to the recipe's
 alignment; expert-parallel receive buffers at their dropless worst case unless ragged_buffer_factor
 bounds them, as `temoe.moe.block` sizes them).
+
+A MoE layer's backward runs in steps (the remat recompute of its forward, then the backward of the
+down GEMM, then of the gate/up GEMM), and each step holds its own buffers: the working set is the
+largest step, not the sum of every buffer the layer ever allocates. FP8 recipes add the quantized
+copies each step reads (recipes.py's operand_bytes per element, both layouts where a GEMM and its
+wgrad read both).
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from temoe import recipes
 
 GIB = 2**30
 
+CONTEXT_NAMING_KERNELS = ("cudnn_flash_jax",)
+"""GPU attention kernels whose output MaxText 0.2.5 names `context` (cudnn_flash_te's, the TE bridge, is unnamed)."""
 
 
 def xla_ragged_dot_bytes(rows: int, experts: int, emb: int, mlp: int, act: int) -> int:
@@ -64,31 +72,59 @@ def shapes(config, mesh) -> Shapes:
   )
 
 
-def named_tensors(config, s: Shapes, moe: bool, rows: int) -> dict[str, int]:
-  """Elements per device of the tensors MaxText's layers name for remat (checkpoint_name), one layer."""
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One tensor of a layer's forward that MaxText names for remat: saved if any of its names is."""
+
+  names: tuple[str, ...]
+  elements: int  # per device
+
+
+def attention_tensors(config, s: Shapes) -> list[Tensor]:
+  """A layer's input and its attention block's named tensors."""
   c, t = config, s.tokens
   heads, kv_heads = max(c.num_query_heads // s.tp, 1), max(c.num_kv_heads // s.tp, 1)
   mla = str(getattr(c.attention_type, "value", c.attention_type)) == "mla"
   qk = c.qk_nope_head_dim + c.qk_rope_head_dim if mla else c.head_dim
   v = c.v_head_dim if mla else c.head_dim
   kv_heads = heads if mla else kv_heads
-  names = {
-      "decoder_layer_input": t * s.emb, "query_proj": t * heads * qk, "key_proj": t * kv_heads * qk,
-      "value_proj": t * kv_heads * v, "context": t * heads * v, "attention_out": t * heads * v, "out_proj": t * s.emb,
-  }
+  out = [Tensor(("decoder_layer_input",), t * s.emb), Tensor(("query_proj",), t * heads * qk),
+         Tensor(("key_proj",), t * kv_heads * qk), Tensor(("value_proj",), t * kv_heads * v),
+         Tensor(("attention_out",), t * heads * v), Tensor(("out_proj",), t * s.emb)]
+  if str(c.attention) in CONTEXT_NAMING_KERNELS:
+    out.append(Tensor(("context",), t * heads * v))
   if mla:
-    names.update(mla_q=t * c.q_lora_rank, query_wa_proj=t * c.q_lora_rank,
-                 mla_kv=t * c.kv_lora_rank, kv_wa_proj=t * (c.kv_lora_rank + c.qk_rope_head_dim))
+    out += [Tensor(("query_wa_proj",), t * c.q_lora_rank), Tensor(("mla_q",), t * c.q_lora_rank),
+            Tensor(("kv_wa_proj",), t * (c.kv_lora_rank + c.qk_rope_head_dim)), Tensor(("mla_kv",), t * c.kv_lora_rank)]
   else:
-    names["qkv_proj"] = t * (heads + 2 * kv_heads) * c.head_dim
-  if moe:
-    shared = t * c.shared_experts * c.moe_mlp_dim // s.tp
-    names.update(mlpwi_0=rows * c.moe_mlp_dim + shared, mlpwi_1=rows * c.moe_mlp_dim + shared,
-                 mlpwo=rows * s.emb + (t * s.emb if c.shared_experts else 0),
-                 moe_mlpwi_0=rows * c.moe_mlp_dim, moe_mlpwi_1=rows * c.moe_mlp_dim, moe_mlpwo=rows * s.emb)
-  else:
-    names.update(mlpwi_0=t * c.mlp_dim // s.tp, mlpwi_1=t * c.mlp_dim // s.tp, mlpwo=t * s.emb)
-  return names
+    out.append(Tensor(("qkv_proj",), t * (heads + 2 * kv_heads) * c.head_dim))
+  return out
+
+
+def mlp_tensors(s: Shapes, width: int) -> list[Tensor]:
+  """MaxText's MlpBlock (dense layers, shared experts): gate, up and down outputs."""
+  return [Tensor(("mlpwi_0",), s.tokens * width), Tensor(("mlpwi_1",), s.tokens * width),
+          Tensor(("mlpwo",), s.tokens * s.emb)]
+
+
+def layer_tensors(config, s: Shapes, moe: bool, rows: int, backend: str) -> list[Tensor]:
+  """Elements per device of the tensors one layer names for remat (checkpoint_name).
+
+  The routed experts' gate half carries mlpwi_0 and moe_mlpwi_0, the up half only moe_mlpwi_1, the
+  down output mlpwo and moe_mlpwo: MaxText 0.2.5's sparse path names them so and temoe's block
+  (moe/experts/parts.py) the same, so minimal_with_context keeps the gate half and the down output
+  but not the up half."""
+  c = config
+  out = attention_tensors(config, s)
+  if not moe:
+    return out + mlp_tensors(s, c.mlp_dim // s.tp)
+  out += [Tensor(("mlpwi_0", "moe_mlpwi_0"), rows * c.moe_mlp_dim), Tensor(("moe_mlpwi_1",), rows * c.moe_mlp_dim),
+          Tensor(("mlpwo", "moe_mlpwo"), rows * s.emb)]
+  if backend == "gmm":  # MaxText's own sparse path names its expert-sorted input
+    out.append(Tensor(("moe_x_sorted",), rows * s.emb))
+  if c.shared_experts:
+    out += mlp_tensors(s, c.shared_experts * c.moe_mlp_dim // s.tp)
+  return out
 
 
 def remat_policy(config):
@@ -121,24 +157,43 @@ def placement(policy, name: str, config) -> str:
   return "remat"
 
 
-def saved_activations(config, s: Shapes, rows: int) -> Part:
-  """Bytes every layer keeps on device for the backward under the remat policy, all layers."""
+def kept(policy, tensor: Tensor, config) -> str:
+  """Where a tensor with several names is kept: on the device if any name is, else on the host if any is."""
+  where = {placement(policy, n, config) for n in tensor.names}
+  return "device" if "device" in where else "host" if "host" in where else "remat"
+
+
+@dataclasses.dataclass(frozen=True)
+class Saved:
+  """What every layer keeps for the backward, per device: bytes on device for the dense and the MoE layers."""
+
+  dense: float
+  moe: float
+  host: float
+  names: tuple[str, ...]
+
+  def part(self, config) -> Part:
+    note = f"remat_policy={config.remat_policy}: {', '.join(self.names) or 'nothing'} per layer"
+    host = f"; {self.host / GIB:.2f} GiB offloaded to host" if self.host else ""
+    return Part("saved activations", self.dense + self.moe, note + host)
+
+
+def saved_activations(config, s: Shapes, rows: int, backend: str) -> Saved:
+  """Bytes every layer keeps for the backward under the remat policy, all layers, split dense / MoE."""
   policy = remat_policy(config)
   moe_layers = config.num_decoder_layers - config.first_num_dense_layers if config.num_experts > 1 else 0
-  total, host, kept = 0, 0, set()
+  total, host, names = {False: 0.0, True: 0.0}, 0.0, set()
   for moe, count in ((False, config.num_decoder_layers - moe_layers), (True, moe_layers)):
     if count <= 0:
       continue
-    names = named_tensors(config, s, moe, rows)
-    where = {n: placement(policy, n, config) for n in names}
-    for twin in ("mlpwi_0", "mlpwi_1", "mlpwo"):  # temoe and MaxText give these tensors two names
-      if where[twin] != "remat":
-        where[f"moe_{twin}"] = "remat"
-    kept.update(n for n, w in where.items() if w == "device")
-    total += count * sum(names[n] for n, w in where.items() if w == "device") * s.act
-    host += count * sum(names[n] for n, w in where.items() if w == "host") * s.act
-  note = f"remat_policy={config.remat_policy}: {', '.join(sorted(kept)) or 'nothing'} per layer"
-  return Part("saved activations", total, note + (f"; {host / GIB:.2f} GiB offloaded to host" if host else ""))
+    for tensor in layer_tensors(config, s, moe, rows, backend):
+      where = kept(policy, tensor, config)
+      if where == "device":
+        names.add(tensor.names[0])
+        total[moe] += count * tensor.elements * s.act
+      elif where == "host":
+        host += count * tensor.elements * s.act
+  return Saved(total[False], total[True], host, tuple(sorted(names)))
 
 
 def moe_rows(config, s: Shapes, backend: str) -> tuple[int, int, int]:
@@ -155,31 +210,78 @@ def moe_rows(config, s: Shapes, backend: str) -> tuple[int, int, int]:
   return routed, dispatch.buffer_rows(capacity, config.num_experts // s.ep + 1, align), capacity
 
 
-def moe_layer(config, s: Shapes, backend: str) -> float:
-  """temoe's block, one layer: its forward buffers, recomputed, and the widest gradients (bytes per device)."""
+def exchange_bytes(config, s: Shapes, device_platform: str) -> float:
+  """The expert-parallel exchange's buffers, there and back: each direction a send and a receive buffer
+  (temoe.moe.exchange): a device sends its routed rows (dedup: one per token and destination rank); the
+  ragged transport receives into its capacity, XLA:CPU's padded one keeps a slot of the send rows per
+  sender on both sides."""
+  from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+  from temoe.moe.exchange import dedup_plan  # pylint: disable=import-outside-toplevel
+
+  if s.ep == 1:
+    return 0.0
+  top_k, local = config.num_experts_per_tok, config.num_experts // s.ep
+  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local)
+  routed = s.tokens * top_k
+  sent = dedup_plan.send_rows(s.tokens, top_k, s.ep) if name == "dedup" else routed
+  capacity = exchange.receive_capacity(routed, s.ep, config.ragged_buffer_factor)
+  if device_platform == "cpu" or name == "padded":
+    send = receive = sent * s.ep
+  else:
+    send, receive = sent, min(capacity, sent * s.ep)
+  return 2 * (send + receive) * s.emb * s.act
+
+
+def operand_bytes(config, backend: str) -> float:
+  """Bytes per element of a quantized GEMM operand copy (recipes.py), 0 where the GEMMs read bf16 as stored."""
+  recipe = recipes.REGISTRY.get(str(config.te_gmm_quantization))
+  return recipe.operand_bytes if recipe is not None and recipe.fp8 and backend in ("te", "mosaic") else 0.0
+
+
+def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> tuple[float, str]:
+  """One MoE layer's backward, bytes per device beyond what it saved: its largest step (note says which).
+
+  Steps, per buffer row (e = emb, m = expert ffn, a = activation bytes, q = a quantized copy's bytes):
+  recompute of gate/up: dispatched rows (e*a), their quantized copy both ways (2e*q), gate|up output
+  (2m*a, unless the policy saves both halves), with the gate/up weights quantized both ways; down's backward: the incoming gradient rows
+  (e*a) and its quantized copy both ways, the activation's gradient (m*a), the residual operands of
+  both GEMMs (the activation and the dispatched rows: quantized, or as stored in bf16), with the
+  quantized weights dgrad reads; gate/up's backward: the dispatched rows' residual, the gate|up
+  gradient (2m*a) and its quantized copy both ways, the dispatched rows' gradient (e*a), with the
+  gate/up weights' dgrad copy. Tensors the remat policy does not save (gate|up output, down output)
+  are live through the down step. Every step also holds the router's float32 scores and the
+  dispatch plan's int32 maps; expert-parallel exchange buffers there and back; on the xla backend
+  the dense ragged_dot products and two copies of the layer's expert weights in the layouts XLA's
+  dot wants (the XLA:CPU buffer assignment of the train step at its peak).
+  """
   c = config
-  routed, rows, capacity = moe_rows(c, s, backend)
+  routed, rows, _ = moe_rows(c, s, backend)
   local = c.num_experts // s.ep
-  m, e, a = c.moe_mlp_dim, s.emb, s.act
-  forward = rows * (e + 2 * m + m + e) * a  # dispatched rows, fused gate|up, activation, expert output
-  forward += routed * e * (4 if c.float32_weight_sum else a)  # per-choice outputs the combine weighs
-  forward += s.tokens * c.num_experts * 4 * 3  # router logits, scores, top-k in float32
-  if capacity:
-    forward += 2 * (routed + capacity) * e * a  # exchange there and back
-  extra = 0.0
+  e, m, a = s.emb, c.moe_mlp_dim, s.act
+  q = operand_bytes(c, backend)
+  x_res, act_res = e * (q or a), m * (q or a)  # the residual operand of each GEMM's wgrad
+  wi, wo = local * e * 2 * m, local * m * e  # expert weight elements
+  policy = remat_policy(c)
+  tensors = {t.names[-1]: kept(policy, t, c) for t in layer_tensors(c, s, True, rows, backend)}
+  gate_up = 2 * m * a if "remat" in (tensors["moe_mlpwi_0"], tensors["moe_mlpwi_1"]) else 0  # recomputed
+  recomputed = gate_up + (e * a if tensors["moe_mlpwo"] == "remat" else 0)
+  steps = {
+      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + q * (2 * wi + wo),
+      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + q * (wi + wo),
+      "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + q * wi,
+  }
+  step, biggest = max(steps.items(), key=lambda kv: kv[1])
+  always = s.tokens * c.num_experts * 4 * 3 + 4 * (3 * routed + rows)  # router scores, dispatch maps
+  always += exchange_bytes(c, s, device_platform)
   if backend == "xla":
-    extra = xla_ragged_dot_bytes(rows, local, e, m, a)
-  elif backend in ("te", "mosaic"):
-    extra = recipes.REGISTRY[str(c.te_gmm_quantization)].quantized_copy_bytes(local * (e * 2 * m + m * e), rows, e, m)
-  in_flight = rows * (e + 2 * m) * a  # the backward's widest gradients: of the dispatched rows and of gate|up
-  shared = s.tokens * c.shared_experts * m // s.tp * 3 * a
-  return forward + in_flight + extra + 2 * shared
+    always += xla_ragged_dot_bytes(rows, local, e, m, a) + 2 * (wi + wo) * a
+  note = f"{rows} buffer rows x emb {e}, largest step: {step}"
+  return biggest + always, note
 
 
 def attention(config, s: Shapes) -> float:
   """One attention block's forward tensors and their gradients, plus the score matrix if materialized."""
-  names = named_tensors(config, s, False, 0)
-  tensors = sum(v for k, v in names.items() if not k.startswith("mlp") and k != "decoder_layer_input") * s.act
+  tensors = sum(t.elements for t in attention_tensors(config, s) if t.names != ("decoder_layer_input",)) * s.act
   kernel = str(config.attention)
   dense = kernel == "dot_product" or (kernel == "autoselected" and (config.hardware == "cpu" or s.seq < 128))
   heads = max(config.num_query_heads // s.tp, 1)
@@ -191,8 +293,13 @@ def dense_mlp(config, s: Shapes) -> float:
   return 2 * s.tokens * (3 * config.mlp_dim // s.tp + s.emb) * s.act
 
 
-def loss(config, s: Shapes) -> Part:
+def shared_experts(config, s: Shapes) -> float:
+  """The shared experts' MLP forward tensors and their gradients."""
+  return 2 * s.tokens * config.shared_experts * config.moe_mlp_dim // s.tp * 3 * s.act
+
+
+def loss(config, s: Shapes) -> float:
+  """Logits, float32 log-softmax and one-hot targets, and their gradient (bytes per device)."""
   tokens = s.tokens / max(config.num_vocab_tiling, 1)
   vocab = config.vocab_size / s.tp
-  return Part("loss (logits)", tokens * vocab * (s.act + 3 * 4),
-              "logits; float32 log-softmax, one-hot targets, gradient")
+  return tokens * vocab * (s.act + 3 * 4)

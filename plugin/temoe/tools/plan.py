@@ -44,6 +44,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
   parser.add_argument("--slices", type=int, help="slices of the run (MaxText's num_slices; a GPU node is one)")
   parser.add_argument("--gpu", choices=sorted(hardware.GPUS), default="h200", help="target GPU when this host has none")
+  parser.add_argument("--sweep", action="store_true", help="plan every expert/FSDP/data layout of --devices and "
+                      "--slices and rank those that fit by predicted tokens/s (temoe.tools.sweep)")
   args, rest = parser.parse_known_args(argv)
   bad = [a for a in rest if "=" not in a or a.startswith("-")]
   if bad:
@@ -63,6 +65,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   for flag in ("devices", "slices"):
     if getattr(args, flag) is not None and not 1 <= getattr(args, flag) <= MAX_DEVICES:
       raise PlanInputError(f"--{flag}={getattr(args, flag)} must be at least 1 and at most {MAX_DEVICES:,}")
+  if args.sweep and not args.devices:
+    raise PlanInputError("--sweep plans layouts of a job: pass its --devices N (and --slices S)")
   if args.slices:
     rest.append(f"num_slices={args.slices}")
   return args, rest
@@ -82,15 +86,22 @@ def explicit_devices(config) -> int:
   return math.prod(max(int(p), 1) for p in [*config.ici_parallelism, *config.dcn_parallelism])
 
 
-def abstract_mesh(config, devices: int):
-  """The config's mesh over `devices` devices, filled as MaxText fills it, without devices."""
-  import jax  # pylint: disable=import-outside-toplevel
+def mesh_split(config, devices: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """(ICI, DCN) size of each mesh axis over `devices` devices, filled as MaxText fills them."""
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   slices = max(config.num_slices, 1)
   ici = introspect.fill_mesh_axes(list(config.ici_parallelism), devices // slices, "ICI")
   dcn = introspect.fill_mesh_axes(list(config.dcn_parallelism), slices, "DCN")
-  return jax.sharding.AbstractMesh(tuple(int(a * b) for a, b in zip(ici, dcn)), tuple(config.mesh_axes))
+  return tuple(int(a) for a in ici), tuple(int(b) for b in dcn)
+
+
+def abstract_mesh(config, devices: int):
+  """The config's mesh over `devices` devices, filled as MaxText fills it, without devices."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  ici, dcn = mesh_split(config, devices)
+  return jax.sharding.AbstractMesh(tuple(a * b for a, b in zip(ici, dcn)), tuple(config.mesh_axes))
 
 
 def target(gpu: str, hbm_gib: float | None):
@@ -129,6 +140,8 @@ class Plan:
   hbm_gib: float | None
   hbm_source: str
   notes: tuple[str, ...] = ()
+  quantization: str = ""  # MaxText's `quantization` as asked (the config may be planned without it)
+  gpu: str = "h200"  # the catalog GPU the run is planned for
 
 
 def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: str = "h200",
@@ -143,12 +156,14 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
   here = hardware.detect()
   seen, hbm_gib, where = target(gpu, hbm_gib)
   with platform_seen_as(seen):
-    config = build_config(path, overrides)
+    config = build_config(path, overrides, devices)
+  first = seen
   if not str(config.hardware).startswith("gpu"):  # a CPU run is planned for this host
     seen = here
   count = devices or max(explicit_devices(config), jax.device_count() if seen is here else 1)
-  with platform_seen_as(seen):
-    config = build_config(path, overrides, count)
+  if count != devices or seen is not first:  # else the first build is this one
+    with platform_seen_as(seen):
+      config = build_config(path, overrides, count)
   notes = ()
   quantization = str(getattr(config.quantization, "value", config.quantization) or "")
   if quantization in STATELESS_TE_QUANTIZATION and importlib.util.find_spec("transformer_engine") is None:
@@ -167,7 +182,9 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
     mesh = abstract_mesh(config, count)
   except AssertionError as exc:  # MaxText's own check of the mesh against the device count
     raise PlanInputError(f"the config's mesh cannot span {count} device(s): {exc}") from exc
-  return Plan(config, mesh, backend, hbm.estimate(config, mesh, backend, seen.device_platform), hbm_gib, where, notes)
+  local = hardware.gpu_of_kind(here.device_kind) if here.device_platform == "gpu" else None
+  return Plan(config, mesh, backend, hbm.estimate(config, mesh, backend, seen.device_platform), hbm_gib, where, notes,
+              quantization, local.name if local else gpu)
 
 
 def table(p: Plan) -> str:
@@ -207,6 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
 
     failures.install_quiet_config_errors()
+    if args.sweep:
+      from temoe.tools import sweep  # pylint: disable=import-outside-toplevel
+
+      rows = sweep.run(args.config, overrides, args.devices, args.slices or 1, args.gpu, args.hbm_gib, dict(os.environ))
+      print("\n".join(sweep.table(rows, args.devices, args.slices or 1)))
+      return 0 if any(r.fits for r in rows) else 1
     p = make_plan(args.config, overrides, args.devices, args.gpu, args.hbm_gib)
   except SystemExit as exc:  # argparse: usage already printed
     return 2 if exc.code else 0
@@ -228,7 +251,19 @@ def main(argv: list[str] | None = None) -> int:
   fits = peak <= p.hbm_gib
   verdict = "fits" if fits else "does not fit"
   print(f"{verdict}: {peak:.2f} GiB estimated of {p.hbm_gib:.2f} GiB ({peak / p.hbm_gib:.0%})")
+  print("\n".join(step_lines(p)))
   return 0 if fits else 1
+
+
+def step_lines(p: Plan) -> list[str]:
+  """The step-time table (temoe.tools.step_model) for a GPU run; one line why not for a CPU one."""
+  if not str(p.config.hardware).startswith("gpu"):
+    return [f"step time: not predicted for hardware={p.config.hardware} (the step model prices GPUs)"]
+  from temoe.tools import step_model  # pylint: disable=import-outside-toplevel
+
+  ici, dcn = mesh_split(p.config, p.mesh.size)
+  job = step_model.job_of(p.config, ici, dcn, p.config.num_slices, p.backend, p.quantization, p.estimate)
+  return step_model.plan_lines(job, p.gpu, dict(os.environ))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import os
 import re
 import statistics
 import sys
+import tempfile
 
 from temoe import oneline
 from temoe.maxtext import scopes
@@ -87,10 +88,17 @@ def hlo_instructions(hlo_text: str) -> dict[str, tuple[str, str]]:
 
 
 def hlo_modules(xplane: str) -> dict[str, dict[str, tuple[str, str]]]:
-  """'module(program_id)' -> its instructions, for the HLO modules xprof finds in the trace."""
+  """'module(program_id)' -> its instructions, for the HLO modules xprof finds in the trace.
+
+  xprof writes each module as <module>(<id>).hlo_proto.pb beside the trace it reads, and two traces
+  of one program share those names: it reads the trace through a link in a folder of its own, so a
+  trace beside another (two runs' traces brought back into one folder) is read with its own modules."""
   from xprof.convert import raw_to_tool_data  # pylint: disable=import-outside-toplevel
 
-  raw_to_tool_data.xspace_to_tool_names([xplane])  # writes <module>(<id>).hlo_proto.pb beside it
+  alone = os.path.join(tempfile.mkdtemp(prefix="temoe-trace-"), os.path.basename(xplane))
+  os.symlink(os.path.abspath(xplane), alone)
+  xplane = alone
+  raw_to_tool_data.xspace_to_tool_names([xplane])
   out = {}
   for path in glob.glob(os.path.join(os.path.dirname(xplane), "*.hlo_proto.pb")):
     name = os.path.basename(path).removesuffix(".hlo_proto.pb")

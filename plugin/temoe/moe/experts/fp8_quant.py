@@ -102,13 +102,16 @@ def _cast_transpose_triton(x, row_scale, dtype, block):
   )(x, row_scale.astype(jnp.float32))
 
 
-def resolve(impl: str | None) -> str:
-  """The cast-transpose implementation `impl` ("auto": triton on a GPU, xla elsewhere) names."""
+def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None) -> str:
+  """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
+  (B, R, C) `shape` whose R and C are not multiples of the Triton block)."""
   impl = impl or DEFAULT_IMPL
   if impl not in IMPLS:
     raise ValueError(f"cast_transpose impl {impl!r}: choose one of {', '.join(IMPLS)}")
   if impl == "auto":
-    return "triton" if jax.default_backend() == "gpu" else "xla"
+    br, bc = (block or TRITON_BLOCK)[:2]
+    fits = shape is None or (shape[-2] % br == 0 and shape[-1] % bc == 0)
+    return "triton" if jax.default_backend() == "gpu" and fits else "xla"
   return impl
 
 
@@ -116,7 +119,7 @@ def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None =
   """(q, q^T): x (B, R, C) times row_scale (B, R), saturated to `dtype`; q^T is (B, C, R).
 
   block: the Triton kernel's (rows, cols[, warps]) (default TRITON_BLOCK)."""
-  impl = resolve(impl)
+  impl = resolve(impl, x.shape, block)
   if impl == "xla":
     return _cast_transpose_xla(x, row_scale, dtype)
   if impl == "triton":

@@ -4,7 +4,8 @@ stay on the device, one kernel launch per GEMM, no host sync, so the step is CUD
 Same contract as `xla.mlp` (activation hook, row biases, MaxText's remat names): one grouped GEMM
 over MaxText's fused [gate | up] `wi`, the activation, one over `wo`; each GEMM carries its own
 custom VJP (dgrad and wgrad kernels). `te_fp8_current` runs them in FP8 with per-expert current
-scaling (E4M3 forward, E5M2 gradients), `te_no_quant` in bf16. Groups are padded to the kernels'
+scaling (E4M3 forward, E5M2 gradients), `te_fp8_blockwise` in FP8 with DeepSeek-V3's block scales
+(`fp8_block`), `te_no_quant` in bf16. Groups are padded to the kernels'
 128-row tiles by dispatch (the recipe registry's alignment).
 """
 
@@ -27,10 +28,11 @@ def mlp(
     rows_expert: jax.Array | None,
 ) -> jax.Array:
   """Expert MLP on the expert-sorted buffer `x` (p.buffer_rows, emb); same contract as `xla.mlp`."""
-  fp8 = recipes.REGISTRY[ctx.recipe].fp8
+  scaling = recipes.REGISTRY[ctx.recipe].scaling
   sizes = p.padded_group_sizes
 
   def gemm(a, w):
-    return mosaic_gemm.grouped_matmul(a.astype(ctx.dtype), w.astype(ctx.dtype), sizes, fp8=fp8, out_dtype=ctx.dtype)
+    return mosaic_gemm.grouped_matmul(a.astype(ctx.dtype), w.astype(ctx.dtype), sizes, scaling=scaling,
+                                      out_dtype=ctx.dtype)
 
   return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gemm)

@@ -10,7 +10,8 @@ cuBLAS GEMM per expert). Public API:
   (FP8: E4M3 forward, E5M2 gradient, current scaling per expert, fp32 epilogue, bf16 outputs).
 * `TileConfig` / `GemmConfigs` / `default_config`: tile shapes, the sweep's defaults per GEMM, and a
   way to pass them explicitly (bench/mosaic_gemm.py).
-* `check_shapes(k, n)`: config-time check; raises a one-line ValueError when K or N cannot run.
+* `check_shapes(k, n, scaling)`: config-time check; raises a one-line ValueError when K or N cannot
+  run (bf16: multiples of 64; FP8: multiples of 16, the quantized copies padded to 128).
 * `ragged_rows_matmul` / `ragged_contract_matmul`: the two kernels (forward & dgrad form; wgrad
   form), exposed for tests and the benchmark.
 
@@ -55,7 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from temoe.moe.experts import fp8_quant
+from temoe import recipes
+from temoe.moe.experts import fp8_block, fp8_quant
 
 ROW_ALIGNMENT = 128  # groups padded to multiples of this; tiles never straddle two experts
 
@@ -77,7 +79,8 @@ class TileConfig:
   the contraction per pipeline stage (None: 128 bytes of the operand dtype); stages is the depth of
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
-  sum every `promote` k-blocks."""
+  sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
+  accumulators, promoting the first while the second's wgmma runs."""
 
   block_m: int = 128
   block_n: int = 256
@@ -87,6 +90,7 @@ class TileConfig:
   grid_block_n: int = 4
   epi_n: int | None = None
   promote: int = 0
+  overlap: bool = False
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -94,6 +98,8 @@ class TileConfig:
       s += f"e{self.epi_n}"
     if self.promote:
       s += f"p{self.promote}"
+    if self.overlap:
+      s += "o"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -102,9 +108,11 @@ class TileConfig:
   def resolved_epi_n(self) -> int:
     return self.epi_n or min(self.block_n, 128)
 
-  def smem_bytes(self, a_dtype, b_dtype, out_dtype) -> int:
+  def smem_bytes(self, a_dtype, b_dtype, out_dtype, block_scaled: bool = False) -> int:
     bk = self.resolved_block_k(a_dtype)
     stage = self.block_m * bk * jnp.dtype(a_dtype).itemsize + self.block_n * bk * jnp.dtype(b_dtype).itemsize
+    if block_scaled:  # fp32 scales of A's rows and B's columns beside each stage (upper bound)
+      stage += 4 * (self.block_m + self.block_n)
     return self.stages * stage + self.block_m * self.resolved_epi_n() * jnp.dtype(out_dtype).itemsize
 
 
@@ -117,46 +125,75 @@ class GemmConfigs:
   wgrad: TileConfig | None = None
 
 
-# Defaults per GEMM form and dtype. FP8: the best config of every one of the six dsv3 GEMMs in both
-# H200 sweeps (bench/results/mosaic_gemm.json, mosaic_gemm.run1.json: 1,311-1,428 TFLOP/s); the
-# dsv3_ep8 and qwen3 shapes were not swept. bf16: the same tile shape, not swept (its 128-byte
-# k-block is 64 elements, so a stage is the same size).
+SCALINGS = ("none", "current", "blockwise")
+"""grouped_matmul's operand scaling: bf16 ("none"); FP8 with per-expert current scaling (E4M3
+forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, fp32 promotion per
+128 of K: temoe.moe.experts.fp8_block)."""
+
+# Defaults per GEMM form and scaling. "current": the best config of every one of the six dsv3 GEMMs
+# in both H200 sweeps (bench/results/mosaic_gemm.json, mosaic_gemm.run1.json: 1,311-1,428 TFLOP/s);
+# the dsv3_ep8 and qwen3 shapes were not swept. "none" (bf16): the same tile shape, not swept (its
+# 128-byte k-block is 64 elements, so a stage is the same size). "blockwise": its fp32 total doubles
+# the accumulator registers, so a warpgroup's tile is 64 x 128 (64 x 256 would need 256 registers a
+# thread for the two alone); the best of five configs for all six dsv3 GEMMs in the H200 sweep
+# (bench/results/mosaic_gemm_blockwise.json: 1,007-1,078 TFLOP/s forward and dgrad, 829-839 wgrad;
+# without `overlap` 908-951 / 745-779 in the same call).
 _DEFAULTS = {
-    ("rows", True): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
-    ("rows", False): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
-    ("contract", True): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
-    ("contract", False): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("rows", "current"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("rows", "none"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("rows", "blockwise"): TileConfig(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True),
+    ("contract", "current"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("contract", "none"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    ("contract", "blockwise"): TileConfig(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8,
+                                          overlap=True),
 }
 
 
-def default_config(form: str, fp8: bool, n_out: int, m_out: int | None = None) -> TileConfig:
-  """The default TileConfig for a kernel form ("rows": fwd/dgrad, "contract": wgrad) whose output
-  has n_out columns (and, for "contract", m_out rows); narrows block_n/block_m until they divide."""
-  cfg = _DEFAULTS[(form, bool(fp8))]
-  bn = cfg.block_n
-  while n_out % bn:
-    bn //= 2
-  bm = cfg.block_m
-  if m_out is not None:
-    while m_out % bm:
-      bm //= 2
+def _fit(size: int, largest: int) -> int:
+  """The tile (largest, largest / 2, ... >= 64) that divides `size`, else the one wasting the fewest
+  out-of-bounds elements in the last tile (ties: the larger)."""
+  cands = []
+  t = largest
+  while t >= 64:
+    cands.append(t)
+    t //= 2
+  for t in cands:
+    if size % t == 0:
+      return t
+  return min(cands, key=lambda t: (-(-size // t) * t - size, -t))
+
+
+def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None) -> TileConfig:
+  """The default TileConfig for a kernel form ("rows": fwd/dgrad, "contract": wgrad) and scaling
+  whose output has n_out columns (and, for "contract", m_out rows)."""
+  if scaling not in SCALINGS:
+    raise ValueError(f"scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
+  cfg = _DEFAULTS[(form, scaling)]
+  bn = _fit(n_out, cfg.block_n)
+  bm = cfg.block_m if m_out is None else _fit(m_out, cfg.block_m)
   wgs = cfg.compute_wgs if bm // cfg.compute_wgs >= 64 else 1
   epi = cfg.epi_n if cfg.epi_n is None or bn % cfg.epi_n == 0 else None
   return dataclasses.replace(cfg, block_n=bn, block_m=bm, compute_wgs=wgs, epi_n=epi)
 
 
-def check_shapes(k: int, n: int) -> None:
-  """Raises ValueError (one line) if grouped_matmul cannot run with contraction K and output N."""
-  bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v <= 0 or v % 128]
+FP8_TILE = 128  # FP8 copies are written with K and N padded to whole tiles of this many elements
+
+
+def check_shapes(k: int, n: int, scaling: str = "none") -> None:
+  """Raises ValueError (one line) if grouped_matmul with `scaling` cannot run with contraction K and
+  output N (the multiples and why: temoe.recipes.MOSAIC_DIM_MULTIPLE)."""
+  m = recipes.MOSAIC_DIM_MULTIPLE[scaling]
+  bad = [f"{name}={v}" for name, v in (("K", k), ("N", n)) if v <= 0 or v % m]
   if bad:
-    fix = ", ".join(f"{name}={max(128, -(-v // 128) * 128)}" for name, v in (("K", k), ("N", n)))
+    fix = ", ".join(f"{name}={max(m, -(-v // m) * m)}" for name, v in (("K", k), ("N", n)))
     raise ValueError(
-        f"temoe mosaic grouped GEMM needs K and N to be positive multiples of 128, got {', '.join(bad)}; "
-        f"pad to {fix} or use the xla/te expert backend."
+        f"temoe mosaic grouped GEMM ({scaling}) needs K and N to be positive multiples of {m}, "
+        f"got {', '.join(bad)}; pad to {fix} or use the xla/te expert backend."
     )
 
 
-def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols: int, contract: int, form: str):
+def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols: int, contract: int, form: str,
+                  block_scaled: bool = False):
   """Static checks that would otherwise surface as obscure lowering errors."""
   bk = cfg.resolved_block_k(a_dtype)
   wm = cfg.block_m // cfg.compute_wgs
@@ -176,16 +213,26 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
   epi = cfg.resolved_epi_n()
   if cfg.block_n % epi or epi % 32:
     problems.append(f"epi_n={epi} must divide block_n={cfg.block_n}")
-  if rows % cfg.block_m:
+  if form == "rows" and rows % cfg.block_m:
     problems.append(f"{rows} output rows not a multiple of block_m={cfg.block_m}")
-  if cols % cfg.block_n:
-    problems.append(f"{cols} output columns not a multiple of block_n={cfg.block_n}")
-  if form == "rows" and contract % bk:
-    problems.append(f"contraction {contract} not a multiple of block_k={bk}")
-  if cfg.smem_bytes(a_dtype, b_dtype, out_dtype) > _SMEM_BYTES:
-    problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype)} bytes of SMEM > {_SMEM_BYTES}")
+  for name, v, item in (("contraction", contract, a_dtype), ("output columns", cols, out_dtype)):
+    if v * jnp.dtype(item).itemsize % 16:
+      problems.append(f"{name} {v} x {jnp.dtype(item).itemsize} bytes is not a multiple of 16 bytes (TMA rows)")
+  if cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled) > _SMEM_BYTES:
+    problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled)} bytes of SMEM > {_SMEM_BYTES}")
   if cfg.stages < 2:
     problems.append("stages must be >= 2")
+  if block_scaled:
+    if jnp.dtype(a_dtype) not in _FP8 or jnp.dtype(b_dtype) not in _FP8:
+      problems.append("block scaling needs FP8 operands")
+    if bk != 128:
+      problems.append(f"block scaling needs block_k=128 (one scale per 128 of K), got {bk}")
+    if form == "rows" and 128 % cfg.block_n:
+      problems.append(f"block scaling needs block_n in (64, 128) (a tile inside one 128-wide weight block), got {cfg.block_n}")
+    if cfg.promote:
+      problems.append("block scaling promotes every k-block already (promote must be 0)")
+    if cfg.overlap and cfg.stages < 2:
+      problems.append("overlap needs two stages in flight")
   if problems:
     raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
 
@@ -274,11 +321,19 @@ def _grouped_kernel(
     cfg: TileConfig,
     sms: int,
     scaled: bool,
+    block_scaled: bool = False,
     inplace: bool = False,
 ):
   """Builds the pallas kernel. form "rows": A (M, C) [a_rc] or (C, M), B (G, Nout, C) [b_rc] or
   (G, C, Nout), out (M, Nout), ragged rows. form "contract": A (Mout, T) [a_rc] or (T, Mout),
-  B (Nout, T) [b_rc] or (T, Nout), out (G, Mout, Nout), ragged contraction over tokens T."""
+  B (Nout, T) [b_rc] or (T, Nout), out (G, Mout, Nout), ragged contraction over tokens T.
+
+  block_scaled (FP8, block_k 128): the fp32 partial sum of every k-block is scaled and added to an
+  fp32 register total. Two more inputs: A's scales (k-blocks, A rows), one per row and k-block, TMA'd
+  beside each stage; B's scales: "rows" form (G, k-blocks, Nout / 128), one per 128 x 128 weight
+  block, read by the consumer per k-block; "contract" form (k-blocks, Nout), one per column, TMA'd
+  beside each stage. Columns and contraction past the operands' ends are zero-filled by TMA and
+  stores past the output's ends are clipped, so Nout and C need not be multiples of the tile."""
   bm, bn, S, C = cfg.block_m, cfg.block_n, cfg.stages, cfg.compute_wgs
   bk = cfg.resolved_block_k(a_dtype)
   wm = bm // C
@@ -289,16 +344,21 @@ def _grouped_kernel(
   else:
     _, rows, cols = out_shape
     contract = None
-  grid_m, grid_n = rows // bm, cols // bn
+  grid_m, grid_n = -(-rows // bm), -(-cols // bn)
   tiles_per_plane = grid_m * grid_n
   num_tiles = tiles_per_plane if form == "rows" else num_groups * tiles_per_plane
   band = cfg.grid_block_n
-  nk_static = contract // bk if form == "rows" else None
+  nk_static = -(-contract // bk) if form == "rows" else None
   b_block = (bn, bk) if b_rc else (bk, bn)
   # "cr" A tiles are split per compute warpgroup (one TMA each): no slicing of the swizzled dim.
   a_copies = 1 if a_rc else C
   a_smem_shape = (S, bm, bk) if a_rc else (S, C, bk, wm)
-  copies_per_stage = a_copies + 1
+  copies_per_stage = a_copies + 1 + (block_scaled + (block_scaled and form == "contract"))
+  scale_smem = {}
+  if block_scaled:
+    scale_smem["sa_smem"] = plgpu.SMEM((S, bm), jnp.float32)
+    if form == "contract":
+      scale_smem["sb_smem"] = plgpu.SMEM((S, bn), jnp.float32)
 
   def tile_info(t, sched_refs):
     """(group, a_row0, b_row0, k_block0, num_k_blocks, out_row0, out_col0) of output tile t."""
@@ -319,7 +379,11 @@ def _grouped_kernel(
   def body(*refs):
     n_sched = 1 if form == "rows" else 3
     sched_refs = refs[:n_sched]
-    a_gmem, b_gmem, scale_gmem, o_gmem = refs[n_sched:]
+    if block_scaled:
+      a_gmem, b_gmem, scale_gmem, sa_gmem, sb_gmem, o_gmem = refs[n_sched:]
+    else:
+      a_gmem, b_gmem, scale_gmem, o_gmem = refs[n_sched:]
+      sa_gmem = sb_gmem = None
 
     sm = lax.axis_index("sm")
     n_local = (num_tiles - sm + (sms - 1)) // sms  # tiles sm, sm + sms, ... < num_tiles
@@ -332,8 +396,9 @@ def _grouped_kernel(
         produced=plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=S),
         consumed=plgpu.Barrier(num_arrivals=C, num_barriers=S),
         collective_axes="wg",
+        **scale_smem,
     )
-    def scope(a_smem, b_smem, o_smem, produced, consumed):
+    def scope(a_smem, b_smem, o_smem, produced, consumed, sa_smem=None, sb_smem=None):
       wg = lax.axis_index("wg")
 
       def b_view(g):
@@ -369,6 +434,10 @@ def _grouped_kernel(
             else:
               bsl = bsrc.at[pl.ds(kc, bk), pl.ds(b_row0, bn)]
             plgpu.copy_gmem_to_smem(bsl, b_smem.at[slot], produced.at[slot])
+            if block_scaled:
+              plgpu.copy_gmem_to_smem(sa_gmem.at[k0 + kk, pl.ds(a_row0, bm)], sa_smem.at[slot], produced.at[slot])
+              if form == "contract":
+                plgpu.copy_gmem_to_smem(sb_gmem.at[k0 + kk, pl.ds(b_row0, bn)], sb_smem.at[slot], produced.at[slot])
             return step + 1
 
           return lax.fori_loop(0, nk, k_loop, step)
@@ -406,8 +475,59 @@ def _grouped_kernel(
 
           return step + 1
 
+        def promote(total, part, slot, sb):
+          """total + part scaled by the k-block's scales (A's per row, B's per block or column); then
+          the slot, scales read, goes back to the producer."""
+          sa = plgpu.load(sa_smem.at[slot, pl.ds(wg * wm, wm)], layout=plgpu.Layout.WGMMA.reduce(1))
+          if form == "rows":
+            part = part * lax.broadcast_in_dim(sa * sb, (wm, bn), [0])
+          else:
+            sbv = plgpu.load(sb_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            part = part * lax.broadcast_in_dim(sa, (wm, bn), [0]) * lax.broadcast_in_dim(sbv, (wm, bn), [1])
+          # The scales were read through the generic proxy and the producer's next TMA into this slot
+          # writes through the async one: a proxy fence orders the two (PTX's memory model).
+          plgpu.commit_smem()
+          plgpu.barrier_arrive(consumed.at[slot])
+          return total + part
+
+        def weight_scale(g, kk, b_row0):
+          # the rows form's 128 x 128 weight block scale (a GMEM scalar, loaded ahead of its use)
+          return sb_gmem[g, kk, b_row0 // 128] if form == "rows" else None
+
+        def block_scaled_k_loop(kk, carry, g, b_row0):
+          """One k-block into a fresh accumulator, waited for, then promoted."""
+          step, total = carry
+          slot = lax.rem(step, S)
+          sb = weight_scale(g, kk, b_row0)
+          plgpu.barrier_wait(produced.at[slot])
+
+          def acc_scope(acc):
+            mma(acc, slot)
+            return acc[...]
+
+          part = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
+          return step + 1, promote(total, part, slot, sb)
+
+        def block_scaled_pair_loop(j, carry, g, b_row0):
+          """Two k-blocks into two fresh accumulators: the first is promoted while the second's
+          wgmma still runs (TileConfig.overlap)."""
+          step, total = carry
+          s0, s1 = lax.rem(step, S), lax.rem(step + 1, S)
+          sb0, sb1 = weight_scale(g, 2 * j, b_row0), weight_scale(g, 2 * j + 1, b_row0)
+
+          def accs_scope(a0, a1):
+            plgpu.barrier_wait(produced.at[s0])
+            mma(a0, s0)
+            plgpu.barrier_wait(produced.at[s1])
+            mma(a1, s1)
+            t = promote(total, plgpu.wgmma_accumulator_load(a0, wait_n=1), s0, sb0)
+            return promote(t, a1[...], s1, sb1)
+
+          acc = plgpu.ACC((wm, bn), jnp.float32)
+          return step + 2, pl.run_scoped(accs_scope, acc, acc)
+
         def tile_loop(i, step):
-          g, _, _, _, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
+          g, _, b_row0, _, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
 
           def run_chunk(step, lo, hi):
             """k-blocks [lo, hi) into a fresh accumulator; returns (step, fp32 value)."""
@@ -424,7 +544,16 @@ def _grouped_kernel(
 
             return pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
 
-          if cfg.promote:
+          if block_scaled:
+            carry = (step, plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), plgpu.Layout.WGMMA))
+            if cfg.overlap:
+              pairs = nk // 2
+              carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(j, c, g, b_row0), carry)
+              carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
+            else:
+              carry = lax.fori_loop(0, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
+            step, val = carry
+          elif cfg.promote:
             # Flush into an fp32 register sum every `promote` k-blocks (a fresh accumulator each).
             def chunk(c, carry):
               step, total = carry
@@ -474,6 +603,12 @@ def _run(kern, args, out):
   return jax.freeze(ref)
 
 
+def _scaling_of(dtype, block_scaled: bool) -> str:
+  if block_scaled:
+    return "blockwise"
+  return "current" if jnp.dtype(dtype) in _FP8 else "none"
+
+
 def _scales_or_ones(scales, g):
   if scales is None:
     return jnp.ones((g,), jnp.float32), False
@@ -491,6 +626,7 @@ def ragged_rows_matmul(
     config: TileConfig | None = None,
     sms: int | None = None,
     out: jax.Array | None = None,
+    block_scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """out[r] = scales[g] * a[r] @ B[g] for the rows r of group g; rows past the groups are 0.
 
@@ -498,6 +634,8 @@ def ragged_rows_matmul(
   FP8) else (G, C, Nout) (16-bit only); scales (G,) fp32 or None. The forward (a = x, b = w^T) and
   dgrad (a = dy, b = w) kernel. M must be a multiple of block_m (grouped_matmul pads). `out`: a
   buffer of the output's shape and dtype to write into in place (tests poison it with NaN).
+  block_scales (FP8 only, instead of scales): (a's 1 x 128 scales (ceil(C/128), M), b's 128 x 128
+  scales (G, ceil(C/128), ceil(Nout/128))), applied to every 128-deep partial sum (fp8_block).
   """
   m, c = a.shape
   g = b.shape[0]
@@ -507,16 +645,24 @@ def ragged_rows_matmul(
     raise ValueError(f"contraction mismatch: a {a.shape}, b {b.shape}")
   if not b_contract_minor and jnp.dtype(b.dtype) in _FP8:
     raise ValueError("FP8 operands need the contraction dim contiguous (b_contract_minor=True)")
-  cfg = config or default_config("rows", jnp.dtype(a.dtype) in _FP8, n_out)
-  _check_config(cfg, a.dtype, b.dtype, out_dtype, m, n_out, c, "rows")
+  bs = block_scales is not None
+  cfg = config or default_config("rows", _scaling_of(a.dtype, bs), n_out)
+  _check_config(cfg, a.dtype, b.dtype, out_dtype, m, n_out, c, "rows", bs)
   scales, scaled = _scales_or_ones(scales, g)
+  extra = ()
+  if bs:
+    sa, sb = (jnp.asarray(v, jnp.float32) for v in block_scales)
+    kb, nb = -(-c // 128), -(-n_out // 128)
+    if sa.shape != (kb, m) or sb.shape != (g, kb, nb):
+      raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(kb, m)}, {(g, kb, nb)}")
+    extra = (sa, sb)
   kern = _grouped_kernel(
       form="rows", a_shape=a.shape, b_shape=b.shape, a_rc=True, b_rc=b_contract_minor,
       a_dtype=a.dtype, b_dtype=b.dtype, out_shape=(m, n_out), out_dtype=jnp.dtype(out_dtype),
-      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, inplace=out is not None,
+      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, block_scaled=bs, inplace=out is not None,
   )
   tg = tile_groups(group_sizes, m // cfg.block_m, cfg.block_m)
-  return _run(kern, (tg, a, b, scales), out)
+  return _run(kern, (tg, a, b, scales, *extra), out)
 
 
 def ragged_contract_matmul(
@@ -531,13 +677,15 @@ def ragged_contract_matmul(
     config: TileConfig | None = None,
     sms: int | None = None,
     out: jax.Array | None = None,
+    block_scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
   """out[g] = scales[g] * A_g @ B_g^T over the tokens of group g (an empty group gets exactly 0).
 
   a (Mout, T) if a_contract_minor else (T, Mout); b (Nout, T) if b_contract_minor else (T, Nout);
   tokens past sum(group_sizes) are never read. The wgrad kernel: dw[g] = x_g^T @ dy_g with
   a = x^T, b = dy^T (FP8) or a = x, b = dy (bf16, a_/b_contract_minor=False). Returns (G, Mout, Nout); `out` as in
-  ragged_rows_matmul.
+  ragged_rows_matmul. block_scales (FP8 only, instead of scales): the 128 x 1 scales of a and b,
+  (T / 128, Mout) and (T / 128, Nout): one per feature and 128-token block (fp8_block).
   """
   if not (a_contract_minor and b_contract_minor) and (jnp.dtype(a.dtype) in _FP8 or jnp.dtype(b.dtype) in _FP8):
     raise ValueError("FP8 operands need the contraction dim contiguous (a_/b_contract_minor=True)")
@@ -546,24 +694,41 @@ def ragged_contract_matmul(
   if t != t2:
     raise ValueError(f"token-dim mismatch: a {a.shape}, b {b.shape}")
   g = group_sizes.shape[0]
-  cfg = config or default_config("contract", jnp.dtype(a.dtype) in _FP8, n_out, m_out)
-  _check_config(cfg, a.dtype, b.dtype, out_dtype, m_out, n_out, t, "contract")
+  bs = block_scales is not None
+  cfg = config or default_config("contract", _scaling_of(a.dtype, bs), n_out, m_out)
+  _check_config(cfg, a.dtype, b.dtype, out_dtype, m_out, n_out, t, "contract", bs)
   scales, scaled = _scales_or_ones(scales, g)
+  extra = ()
+  if bs:
+    sa, sb = (jnp.asarray(v, jnp.float32) for v in block_scales)
+    if t % 128 or sa.shape != (t // 128, m_out) or sb.shape != (t // 128, n_out):
+      raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(t // 128, m_out)}, {(t // 128, n_out)}")
+    extra = (sa, sb)
   kern = _grouped_kernel(
       form="contract", a_shape=a.shape, b_shape=b.shape, a_rc=a_contract_minor, b_rc=b_contract_minor,
       a_dtype=a.dtype, b_dtype=b.dtype, out_shape=(g, m_out, n_out), out_dtype=jnp.dtype(out_dtype),
-      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, inplace=out is not None,
+      num_groups=g, cfg=cfg, sms=sms or num_sms(), scaled=scaled, block_scaled=bs, inplace=out is not None,
   )
   order, start, nblk = contraction_schedule(group_sizes, cfg.resolved_block_k(a.dtype))
-  return _run(kern, (order, start, nblk, a, b, scales), out)
+  return _run(kern, (order, start, nblk, a, b, scales, *extra), out)
 
 
 # ----------------------------------------------------------------------------------------------
-# grouped_matmul: FP8 (current scaling per expert) or bf16, with a custom VJP
+# grouped_matmul: bf16, FP8 with per-expert current scaling, or FP8 with block scales; custom VJP
 
 
 def _pad_rows(x, rows):
   return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _pad_to(x, shape):
+  """x zero-padded at the end of every dim to `shape` (XLA fuses it into the quantizer reading x)."""
+  pads = [(0, t - d) for d, t in zip(x.shape, shape)]
+  return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def _tile(v: int) -> int:
+  return -(-v // FP8_TILE) * FP8_TILE
 
 
 def grouped_matmul(
@@ -571,7 +736,7 @@ def grouped_matmul(
     w: jax.Array,
     group_sizes: jax.Array,
     *,
-    fp8: bool,
+    scaling: str,
     out_dtype=jnp.bfloat16,
     configs: GemmConfigs | None = None,
     sms: int | None = None,
@@ -580,69 +745,95 @@ def grouped_matmul(
   """y (M, N): rows of group g of x (M, K) times w[g] (w: (G, K, N), MaxText's layout).
 
   group_sizes (G,) int32 stays on the device; groups must be padded to multiples of ROW_ALIGNMENT
-  with sum(group_sizes) <= M; rows past the sum come back exactly 0 (and get exactly 0 dx). fp8:
-  E4M3 x and w forward, E5M2 dy backward, per-expert current scaling, fp32 epilogue; dw of an
-  empty expert is exactly 0. fp8=False: the same kernels in bf16. Differentiable in x and w.
-  configs: explicit TileConfigs per GEMM (default: default_config); sms: persistent grid size
-  (default: the device's SM count); quant: fp8_quant's cast-transpose implementation (default
-  fp8_quant.DEFAULT_IMPL: its Triton kernel on a GPU).
+  with sum(group_sizes) <= M; rows past the sum come back exactly 0 (and get exactly 0 dx); dw of
+  an empty expert is exactly 0. scaling (SCALINGS): "none" runs the kernels in bf16; "current": E4M3
+  x and w forward, E5M2 dy backward, per-expert current scaling, fp32 epilogue; "blockwise":
+  DeepSeek-V3's recipe (fp8_block: E4M3 everywhere, 1 x 128 / 128 x 128 / 128 x 1 block scales,
+  fp32 promotion per 128 of K). Differentiable in x and w. configs: explicit TileConfigs per GEMM
+  (default: default_config); sms: persistent grid size (default: the device's SM count); quant: the
+  quantizers' implementation (fp8_quant / fp8_block: "auto" = their Triton kernels on a GPU).
   """
   m, k = x.shape
   g, k2, n = w.shape
   if k != k2 or group_sizes.shape != (g,):
     raise ValueError(f"shapes: x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}")
-  check_shapes(k, n)
-  quant = fp8_quant.resolve(quant)
+  if scaling not in SCALINGS:
+    raise ValueError(f"scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
+  check_shapes(k, n, scaling)
   return _gmm(
-      x, w, group_sizes.astype(jnp.int32), bool(fp8), jnp.dtype(out_dtype), configs or GemmConfigs(), sms, quant
+      x, w, group_sizes.astype(jnp.int32), scaling, jnp.dtype(out_dtype), configs or GemmConfigs(), sms, quant
   )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _gmm(x, w, group_sizes, fp8, out_dtype, configs, sms, quant):
-  return _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms, quant)[0]
+def _gmm(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
+  return _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant)[0]
 
 
-def _gmm_fwd(x, w, group_sizes, fp8, out_dtype, configs, sms, quant):
-  m = x.shape[0]
+def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
+  m, k = x.shape
+  n = w.shape[2]
   mp = -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
-  xp = _pad_rows(x, mp)
-  if fp8:
+  # empty arrays that carry x's and w's dtypes and true dims to the backward (the FP8 copies are padded)
+  protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
+  if scaling == "current":
     # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
     # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored kept for dgrad.
+    # The copies are padded to whole 128-element tiles in K and N.
+    xp, wp = _pad_to(x, (mp, _tile(k))), _pad_to(w, (w.shape[0], _tile(k), _tile(n)))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
-    wq, wqt, sw = fp8_quant.quantize_experts(w, E4M3, quant)
+    wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
     y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
-    res = (xqt, sx, wq, sw, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-  else:
-    xb, wb = xp.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    res = (xqt, sx, wq, sw, group_sizes, *protos)
+  elif scaling == "blockwise":
+    # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
+    # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
+    xp, wp = _pad_to(x, (mp, _tile(k))), _pad_to(w, (w.shape[0], _tile(k), _tile(n)))
+    xq, sx, xqt, sxt = fp8_block.quantize_both(xp, impl=quant)
+    wq, wqt, sw = fp8_block.quantize_weights(wp, impl=quant)
+    y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms,
+                           block_scales=(sx, sw))
+    res = (xqt, sxt, wq, sw, group_sizes, *protos)
+  else:  # bf16 reads x and w as they are (K and N multiples of 64: check_shapes)
+    xb, wb = _pad_rows(x, mp).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     y = ragged_rows_matmul(xb, wb, group_sizes, b_contract_minor=False, out_dtype=out_dtype, config=configs.fwd, sms=sms)
-    res = (xb, None, wb, None, group_sizes, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
-  return y[:m], res
+    res = (xb, None, wb, None, group_sizes, *protos)
+  return y[:m, :n], res
 
 
-def _gmm_bwd(fp8, out_dtype, configs, sms, quant, res, dy):
+def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
   del out_dtype
   xs, sx, wq, sw, group_sizes, x_proto, w_proto = res
   m = dy.shape[0]
-  mp = xs.shape[1] if fp8 else xs.shape[0]
-  dyp = _pad_rows(dy, mp)
-  if fp8:
+  _, k, n = w_proto.shape
+  mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kp, Mp), w (G, Kp, Np)
+  if scaling == "current":
+    dyp = _pad_to(dy, (mp, wq.shape[2]))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
     dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
     dw = ragged_contract_matmul(
         xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
     )
+  elif scaling == "blockwise":
+    # dy in E4M3 too (the recipe): 1 x 128 blocks along N for dgrad, 128 x 1 of dy^T for wgrad. dgrad
+    # reads w as stored, (G, K, N) = (G, Nout, C): its weight block (k-block of C = N, column block of
+    # K) is sw's (K block, N block) swapped.
+    dyp = _pad_to(dy, (mp, wq.shape[2]))
+    dyq, sdy, dyqt, sdyt = fp8_block.quantize_both(dyp, impl=quant)
+    dx = ragged_rows_matmul(dyq, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms,
+                            block_scales=(sdy, jnp.swapaxes(sw, 1, 2)))
+    dw = ragged_contract_matmul(xs, dyqt, group_sizes, out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms,
+                                block_scales=(sx, sdyt))
   else:
-    dyb = dyp.astype(jnp.bfloat16)
+    dyb = _pad_rows(dy, mp).astype(jnp.bfloat16)
     dx = ragged_rows_matmul(dyb, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
     dw = ragged_contract_matmul(
         xs, dyb, group_sizes, a_contract_minor=False, b_contract_minor=False, out_dtype=w_proto.dtype,
         config=configs.wgrad, sms=sms,
     )
-  return dx[:m], dw, None
+  return dx[:m, :k], dw[:, :k, :n], None
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)

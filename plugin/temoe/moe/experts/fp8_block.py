@@ -1,0 +1,253 @@
+"""DeepSeek-V3's fine-grained FP8 recipe (`te_fp8_blockwise`) for temoe's Hopper grouped GEMMs:
+the scale layouts, the quantizers, and the recipe's math as plain JAX (the reference the kernels are
+tested against).
+
+Every operand is E4M3 (gradients included) with one fp32 scale per block, and the GEMM promotes its
+partial sums to fp32 every 128 of the contraction, applying both operands' scales there:
+
+* activations, as the left operand of the forward and dgrad GEMMs: one scale per 1 x 128 block (per
+  row, per 128 elements of the contraction dim). Layout `(ceil(C / 128), R)`: the k-block is the
+  major axis, so the 128 scales of one row tile and one k-block are contiguous (one TMA copy per
+  pipeline stage).
+* weights: one scale per 128 x 128 block, `(G, ceil(K / 128), ceil(N / 128))`. A square block is the
+  same block in w and w^T, so the forward (reading w^T) and dgrad (reading w) share one set of scales.
+* the wgrad GEMM contracts over tokens, so its operands x^T and dy^T are quantized in 128 x 1 blocks
+  (128 tokens of one feature): its contraction blocks stay local, as the recipe needs. Layout
+  `(ceil(R / 128), C)`: per token block, one scale per feature (row of x^T / dy^T).
+
+A block's scale is amax / 448 (fp32, or rounded up to a power of two with `pow2=True`); an all-zero
+block gets scale 1 (its values are 0 either way). Scales are local to a block, so nothing waits for a
+global amax: each operand is quantized in the one pass that reads it (`quantize_both`: one read of a
+bf16 (R, C) tile, four writes: q, its scales, q^T, its scales; `quantize_weights`: one read of each
+128 x 128 weight block, both FP8 layouts and its scale). On a GPU these are Pallas Triton kernels
+(`impl="triton"`, 128 x 128 tiles, rows and columns multiples of 128), elsewhere (and for shapes that
+are not) the same math as XLA expressions (`impl="xla"`).
+
+The passes that remain, per MoE layer (mosaic_gemm.grouped_matmul calls these; times measured alone
+on the H200 for DeepSeek-V3's layer, 69,632 buffer rows: bench/results/fp8_block.json): one pass
+over each bf16 operand a producer wrote, x (the dispatch gather's output) 1.33 ms, h (the activation's
+output) 0.46 ms, the incoming gradient dy (the combine's backward) 1.33 ms and the activation's
+gradient 0.86 ms, at 1.25-1.53 TB/s; each weight once per step into both layouts, wi 1.73 ms and wo
+0.79 ms (2.2-2.4 TB/s). About 6.5 ms of the 28 ms layer. They are not fused into the producers'
+epilogues: the gather, the activation and the combine's backward are XLA's; and a warpgroup's tile
+of the gate/up GEMM is 64 x 128 (its fp32 total beside the accumulator), so to apply the activation
+in its epilogue it would hold 64 matching columns of gate and of up, which make 64 columns of h: half
+of the 128 that one 1 x 128 scale of h spans.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+E4M3 = jnp.float8_e4m3fn
+FMAX = 448.0
+BLOCK = 128
+IMPLS = ("auto", "xla", "triton")
+DEFAULT_IMPL = "auto"  # triton on a GPU where the shape is whole 128 x 128 tiles, xla elsewhere
+# Triton warps per 128 x 128 tile, measured on the H200 over the dsv3 layer's operands
+# (bench/results/fp8_block.json: 4 / 8 / 16 warps): 4 for activations (x 1.33 ms at 1.53 TB/s,
+# against 1.45 with 8), 8 for weights (wi 1.73 / wo 0.79 ms, against 1.63 / 1.00 with 4).
+ROWS_WARPS, WEIGHTS_WARPS = 4, 8
+INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernels
+
+
+def blocks(n: int) -> int:
+  return -(-n // BLOCK)
+
+
+def scale_of(amax: jax.Array, pow2: bool = False) -> jax.Array:
+  """The dequantisation scale of blocks with absolute maximum `amax`: amax / 448 (1 for an all-zero
+  block); pow2 rounds it up to a power of two (so q = x / s is exact in the exponent)."""
+  amax = amax.astype(jnp.float32)
+  s = jnp.where(amax > 0, amax * jnp.float32(1.0 / FMAX), jnp.float32(1.0))
+  if pow2:  # from the bits, exact on every backend: the exponent, one up if any mantissa bit is set
+    bits = jax.lax.bitcast_convert_type(s, jnp.int32)
+    exp = (bits >> 23) + jnp.minimum(bits & 0x7FFFFF, 1)
+    s = jax.lax.bitcast_convert_type(exp << 23, jnp.float32)
+  return s
+
+
+def _cast(v):
+  return jnp.clip(v, -FMAX, FMAX).astype(E4M3)
+
+
+def _pad_to_blocks(x, axes):
+  pads = [(0, 0)] * x.ndim
+  for a in axes:
+    pads[a] = (0, blocks(x.shape[a]) * BLOCK - x.shape[a])
+  return jnp.pad(x, pads) if any(p[1] for p in pads) else x
+
+
+# ------------------------------------------------------------------------------------ plain JAX
+
+
+def quantize_rows_xla(x: jax.Array, pow2: bool = False):
+  """1 x 128 blocks of (R, C): (q (R, C) E4M3, scales (ceil(C/128), R) fp32)."""
+  r, c = x.shape
+  xb = _pad_to_blocks(x.astype(jnp.float32), [1]).reshape(r, blocks(c), BLOCK)
+  s = scale_of(jnp.max(jnp.abs(xb), axis=2), pow2)  # (R, Cb)
+  q = _cast(xb / s[:, :, None]).reshape(r, -1)[:, :c]
+  return q, s.T
+
+
+def quantize_cols_xla(x: jax.Array, pow2: bool = False):
+  """128 x 1 blocks of (R, C), transposed: (q^T (C, R) E4M3, scales (ceil(R/128), C) fp32)."""
+  qt, s = quantize_rows_xla(x.T, pow2)
+  return qt, s
+
+
+def quantize_both_xla(x: jax.Array, pow2: bool = False):
+  q, s = quantize_rows_xla(x, pow2)
+  qt, st = quantize_cols_xla(x, pow2)
+  return q, s, qt, st
+
+
+def quantize_weights_xla(w: jax.Array, pow2: bool = False):
+  """128 x 128 blocks of (G, K, N): (q (G, K, N), q^T (G, N, K), scales (G, ceil(K/128), ceil(N/128)))."""
+  g, k, n = w.shape
+  wb = _pad_to_blocks(w.astype(jnp.float32), [1, 2]).reshape(g, blocks(k), BLOCK, blocks(n), BLOCK)
+  s = scale_of(jnp.max(jnp.abs(wb), axis=(2, 4)), pow2)  # (G, Kb, Nb)
+  q = _cast(wb / s[:, :, None, :, None]).reshape(g, blocks(k) * BLOCK, blocks(n) * BLOCK)[:, :k, :n]
+  return q, jnp.swapaxes(q, 1, 2), s
+
+
+def dequantize_rows(q: jax.Array, s: jax.Array) -> jax.Array:
+  """fp32 values of (q (R, C), scales (Cb, R)) from quantize_rows."""
+  r, c = q.shape
+  return q.astype(jnp.float32) * jnp.repeat(s.T, BLOCK, axis=1)[:, :c]
+
+
+def dequantize_weights(q: jax.Array, s: jax.Array) -> jax.Array:
+  g, k, n = q.shape
+  full = jnp.repeat(jnp.repeat(s, BLOCK, axis=1), BLOCK, axis=2)[:, :k, :n]
+  return q.astype(jnp.float32) * full
+
+
+# ------------------------------------------------------------------------------- Triton kernels
+
+
+def _both_kernel(x_ref, q_ref, s_ref, qt_ref, st_ref, *, pow2):
+  v = x_ref[...].astype(jnp.float32)  # (128, 128): rows i-block, cols j-block
+  a = jnp.abs(v)
+  s_row = scale_of(jnp.max(a, axis=1), pow2)  # one per row (1 x 128)
+  s_col = scale_of(jnp.max(a, axis=0), pow2)  # one per column (128 x 1)
+  q_ref[...] = _cast(v / s_row[:, None])
+  s_ref[...] = s_row
+  qt_ref[...] = _cast(v / s_col[None, :]).T
+  st_ref[...] = s_col
+
+
+def _weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, pow2):
+  v = w_ref[...].astype(jnp.float32)  # one 128 x 128 block
+  s = scale_of(jnp.max(jnp.abs(v)), pow2)
+  q = _cast(v / s)
+  q_ref[...] = q
+  qt_ref[...] = q.T
+  s_ref[...] = jnp.broadcast_to(s, s_ref.shape)
+
+
+def _compiler_params(warps: int):
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+  return pltriton.CompilerParams(num_warps=warps, num_stages=1)
+
+
+def _quantize_both_triton(x, pow2):
+  r, c = x.shape
+  rb, cb = r // BLOCK, c // BLOCK
+  blk = (BLOCK, BLOCK)
+  return pl.pallas_call(
+      functools.partial(_both_kernel, pow2=pow2),
+      grid=(rb, cb),
+      in_specs=[pl.BlockSpec(blk, lambda i, j: (i, j))],
+      out_specs=[
+          pl.BlockSpec(blk, lambda i, j: (i, j)),
+          pl.BlockSpec((None, BLOCK), lambda i, j: (j, i)),
+          pl.BlockSpec(blk, lambda i, j: (j, i)),
+          pl.BlockSpec((None, BLOCK), lambda i, j: (i, j)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((cb, r), jnp.float32),
+          jax.ShapeDtypeStruct((c, r), E4M3), jax.ShapeDtypeStruct((rb, c), jnp.float32),
+      ],
+      compiler_params=_compiler_params(ROWS_WARPS),
+      interpret=INTERPRET,
+      name="temoe_fp8_block_quantize",
+  )(x)
+
+
+def _quantize_weights_triton(w, pow2):
+  g, k, n = w.shape
+  kb, nb = k // BLOCK, n // BLOCK
+  blk = (None, BLOCK, BLOCK)
+  # The scale is written as a 16-wide row per block (Triton blocks are powers of two of at least
+  # a few elements); column 0 is the scale.
+  q, qt, s = pl.pallas_call(
+      functools.partial(_weights_kernel, pow2=pow2),
+      grid=(g, kb, nb),
+      in_specs=[pl.BlockSpec(blk, lambda e, i, j: (e, i, j))],
+      out_specs=[
+          pl.BlockSpec(blk, lambda e, i, j: (e, i, j)),
+          pl.BlockSpec(blk, lambda e, i, j: (e, j, i)),
+          pl.BlockSpec((None, None, None, 16), lambda e, i, j: (e, i, j, 0)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((g, k, n), E4M3), jax.ShapeDtypeStruct((g, n, k), E4M3),
+          jax.ShapeDtypeStruct((g, kb, nb, 16), jnp.float32),
+      ],
+      compiler_params=_compiler_params(WEIGHTS_WARPS),
+      interpret=INTERPRET,
+      name="temoe_fp8_block_quantize_weights",
+  )(w)
+  return q, qt, s[..., 0]
+
+
+# ------------------------------------------------------------------------------------ public API
+
+
+def resolve(impl: str | None, *dims: int) -> str:
+  """The implementation `impl` names for an operand with these dims ("auto": triton on a GPU when
+  every dim is a multiple of 128, xla otherwise)."""
+  impl = impl or DEFAULT_IMPL
+  if impl not in IMPLS:
+    raise ValueError(f"fp8_block impl {impl!r}: choose one of {', '.join(IMPLS)}")
+  if impl == "auto":
+    whole = all(d % BLOCK == 0 for d in dims)
+    return "triton" if jax.default_backend() == "gpu" and whole else "xla"
+  if impl == "triton" and any(d % BLOCK for d in dims):
+    raise ValueError(f"fp8_block triton kernels need dims that are multiples of {BLOCK}, got {dims}")
+  return impl
+
+
+def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
+  """(R, C) -> (q (R, C), s (Cb, R), q^T (C, R), s^T (Rb, C)): 1 x 128 blocks for the row-major
+  operand, 128 x 1 blocks for its transpose (the wgrad operand), from one read of x."""
+  if resolve(impl, *x.shape) == "triton":
+    return _quantize_both_triton(x, pow2)
+  return quantize_both_xla(x, pow2)
+
+
+def quantize_weights(w: jax.Array, pow2: bool = False, impl: str | None = None):
+  """(G, K, N) -> (q (G, K, N), q^T (G, N, K), s (G, Kb, Nb)) with 128 x 128 blocks."""
+  if resolve(impl, *w.shape[1:]) == "triton":
+    return _quantize_weights_triton(w, pow2)
+  return quantize_weights_xla(w, pow2)
+
+
+def reference_grouped_matmul(x, w, group_sizes, pow2: bool = False):
+  """The recipe's forward in plain JAX, fp32: x (M, K) rows of group g times w[g] (G, K, N), each
+  operand quantized and dequantized as the kernels see it; rows past the groups are 0."""
+  xq, sx = quantize_rows_xla(x, pow2)
+  wq, _, sw = quantize_weights_xla(w, pow2)
+  xd, wd = dequantize_rows(xq, sx), dequantize_weights(wq, sw)
+  ends = jnp.cumsum(group_sizes)
+  row = jnp.arange(x.shape[0])
+  y = jnp.zeros((x.shape[0], w.shape[2]), jnp.float32)
+  for g in range(w.shape[0]):
+    mine = (row >= ends[g] - group_sizes[g]) & (row < ends[g])
+    y = y + jnp.where(mine[:, None], jnp.dot(xd, wd[g], precision=jax.lax.Precision.HIGHEST), 0.0)
+  return y

@@ -1,0 +1,137 @@
+"""The benchmarks' own logic, on CPU without training: the proxy's marginal MoE decoder layer and
+its path names, its remat variants against MaxText's policies, the small model's ratios and profile
+difference, and their refusals of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, maxtext_config
+
+sys.path.insert(0, str(ROOT / "bench"))
+import proxy_1gpu  # noqa: E402  # pylint: disable=wrong-import-position
+import small_model  # noqa: E402  # pylint: disable=wrong-import-position
+
+
+def row(step_s: float, peak: float = 50.0) -> dict:
+  return {"step_time_s": step_s, "tokens_per_s": 4096 / step_s, "peak_hbm_gib": peak}
+
+
+def test_marginal_layer_is_the_step_difference_per_added_moe_layer():
+  paths = {"temoe_fp8": row(0.140), "stock_best": row(0.210), "temoe_fp8@5": row(0.220, 80.0),
+           "stock_best@5": row(0.350), "temoe_bf16_moe": row(0.150)}
+  per_layer = proxy_1gpu.marginal(paths)
+  assert set(per_layer) == {"temoe_fp8", "stock_best"}  # one depth only: no marginal
+  assert per_layer["temoe_fp8"]["ms"] == pytest.approx(40.0)
+  assert per_layer["temoe_fp8"]["fixed_ms"] == pytest.approx(140.0 - 2 * 40.0)  # 3 layers: 1 dense + 2 MoE
+  assert per_layer["temoe_fp8"]["peak_hbm_gib_deepest"] == 80.0
+  head = proxy_1gpu.headline(per_layer)
+  assert head["temoe_ms"] == pytest.approx(40.0) and head["stock_best_ms"] == pytest.approx(70.0)
+  assert head["ratio"] == pytest.approx(70.0 / 40.0) and head["layers"] == [3, 5]
+  ratios = proxy_1gpu.ratios(paths)
+  assert ratios["temoe_fp8@5_over_stock_best_tokens"] == pytest.approx(0.350 / 0.220)  # same depth
+  assert proxy_1gpu.headline({"temoe_fp8": per_layer["temoe_fp8"]}) is None
+
+
+def test_runs_are_each_path_at_each_depth_and_depths_reach_maxtext():
+  assert proxy_1gpu.runs_of("temoe_fp8,stock_best", "3,5") == ["temoe_fp8", "stock_best", "temoe_fp8@5", "stock_best@5"]
+  assert proxy_1gpu.runs_of("temoe_fp8,stock_best@5", "3") == ["temoe_fp8", "stock_best@5"]
+  args = proxy_1gpu.args_of("temoe_fp8@5")
+  assert args[-2:] == ["override_model_config=true", "base_num_decoder_layers=5"]
+  assert "base_num_decoder_layers=5" not in proxy_1gpu.args_of("temoe_fp8")
+  config = maxtext_config(*proxy_1gpu.args_of("temoe_fp8@5", smoke=True)[1:], "log_config=false",
+                          config=proxy_1gpu.SHIPPED)
+  assert config.num_decoder_layers == 5 and config.first_num_dense_layers == 1 and config.hardware == "cpu"
+
+
+@pytest.mark.parametrize("bad, message", [("temoe_fp9", "valid choices: temoe_fp8"), ("temoe_fp8@x", "whole number")])
+def test_a_bad_proxy_path_is_refused_naming_the_choices(bad, message):
+  with pytest.raises(SystemExit, match=message):
+    proxy_1gpu.runs_of(bad, "3,5")
+
+
+def policy_of(*overrides: str):
+  from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
+
+  config = maxtext_config(*overrides, "log_config=false")
+  return config, hbm_activations.remat_policy(config)
+
+
+def test_save_moe_is_minimal_with_context_plus_the_moe_gemm_outputs():
+  """One setting off: the variant keeps what the shipped policy keeps, and the three MoE names."""
+  from temoe.tools.hbm_activations import placement  # pylint: disable=import-outside-toplevel
+
+  shipped_config, shipped = policy_of("remat_policy=minimal_with_context")
+  variant_config, variant = policy_of(*proxy_1gpu.SAVE_MOE)
+  names = [*proxy_1gpu.MINIMAL_WITH_CONTEXT, *proxy_1gpu.MOE_OUTPUTS, *proxy_1gpu.OTHER_NAMES, "decoder_layer_input"]
+  for name in names:
+    expected = "device" if name in proxy_1gpu.MOE_OUTPUTS else placement(shipped, name, shipped_config)
+    assert placement(variant, name, variant_config) == expected, name
+  all_config, save_all = policy_of(*proxy_1gpu.SAVE_ALL)
+  assert all(placement(save_all, n, all_config) == "device" for n in names)
+
+
+def test_minimal_with_context_saves_the_gate_half_and_down_output_but_not_the_up_half():
+  """What the memory plan assumes of MaxText's policy and of the names temoe's expert MLP gives."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+  from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
+
+  def mlp(x, wi, wo):
+    ctx = type("Ctx", (), {"activation": staticmethod(lambda a, b: jax.nn.silu(a) * b)})
+    return parts.gated_mlp(ctx, x, wi, wo, (None, None, None), None, lambda a, w: a @ w)
+
+  jaxpr = jax.make_jaxpr(mlp)(jnp.ones((8, 4)), jnp.ones((4, 6)), jnp.ones((3, 4))).jaxpr
+  named = {}  # output var -> names along its chain of checkpoint_name
+  for eqn in jaxpr.eqns:
+    if "name" in eqn.params and eqn.primitive.name == "name":
+      named[eqn.outvars[0]] = (*named.pop(eqn.invars[0], ()), eqn.params["name"])
+  config, policy = policy_of("remat_policy=minimal_with_context")
+  planned = [t.names for t in hbm_activations.layer_tensors(config, hbm_activations.Shapes(8, 1, 8, 4, 1, 1, 4), True,
+                                                             8, "xla")[-6:-3]]
+  assert sorted(named.values()) == sorted(planned) == [("mlpwi_0", "moe_mlpwi_0"), ("mlpwo", "moe_mlpwo"),
+                                                       ("moe_mlpwi_1",)]
+  where = {names: hbm_activations.kept(policy, hbm_activations.Tensor(names, 1), config) for names in planned}
+  assert where == {("mlpwi_0", "moe_mlpwi_0"): "device", ("moe_mlpwi_1",): "remat", ("mlpwo", "moe_mlpwo"): "device"}
+
+
+def test_small_model_ratios_and_profile_difference():
+  paths = {"temoe_fp8": {"tokens_per_s": 300.0, "loss_mean_last_50": 2.02},
+           "temoe_bf16": {"tokens_per_s": 250.0, "loss_mean_last_50": 2.0},
+           "tokamax": {"tokens_per_s": 200.0, "loss_mean_last_50": 2.01}}
+  ratios = small_model.ratios(paths)
+  assert ratios == {"temoe_fp8_over_tokamax_tokens": 1.5, "temoe_bf16_over_tokamax_tokens": 1.25}
+  assert paths["temoe_fp8"]["loss_ratio_to_temoe_bf16"] == pytest.approx(1.01)
+  assert paths["temoe_bf16"]["loss_ratio_to_temoe_bf16"] == 1.0
+  profiles = {"temoe_fp8": {"step_ms": 30.0, "ms_per_step": {"experts": 10.0, "other": 5.0}},
+              "tokamax": {"step_ms": 40.0, "ms_per_step": {"experts": 22.0, "other": 4.0}}}
+  diff = small_model.profile_difference(profiles)
+  assert diff == {"of": "temoe_fp8 - tokamax", "step_ms": -10.0, "ms_per_step": {"experts": -12.0, "other": 1.0}}
+  assert small_model.profile_difference({"tokamax": profiles["tokamax"], "temoe_fp8": {"error": "x"}}) is None
+
+
+def test_small_model_config_is_the_issues_shape():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  config = maxtext_config("log_config=false", "hardware=cpu", "attention=dot_product", "te_gmm_quantization=te_no_quant",
+                          config=small_model.CONFIG)
+  assert (config.emb_dim, config.moe_mlp_dim, config.num_experts, config.num_experts_per_tok) == (1024, 512, 32, 8)
+  assert (config.num_decoder_layers, config.first_num_dense_layers, config.max_target_length) == (4, 1, 256)
+  dtypes = (np.dtype(config.dtype).name, np.dtype(config.weight_dtype).name)
+  assert (config.per_device_batch_size, *dtypes) == (32, "bfloat16", "float32")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--paths", "temoe_fp9"], "valid choices: temoe_fp8, temoe_bf16, temoe_fp8_blockwise, tokamax"),
+    (["--steps", "3"], "more than 3 warm-up steps"),
+    (["steps"], "pass MaxText settings as key=value"),
+])
+def test_small_model_bad_input_is_one_line_before_anything_runs(args, message):
+  done = subprocess.run([sys.executable, str(ROOT / "bench" / "small_model.py"), *args], capture_output=True, text=True,
+                        timeout=60)
+  assert done.returncode == 2 and message in done.stderr.splitlines()[-1], done.stderr

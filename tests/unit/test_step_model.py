@@ -1,0 +1,245 @@
+"""`temoe plan`'s step model: the GPU catalog it prices links with, the calibration and its scaling, the
+collectives and overlap of real planned layouts (MaxText configs built on CPU), the scale hazards, the
+calibration bench on CPU, and bench/results/step_model_check.json regenerated and compared."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from temoe import hardware
+from temoe.deploy import doctor, env, hazards
+from temoe.tools import calibration, plan, step_model
+
+PROXY_8GPU = str(ROOT / "configs" / "deepseek3-proxy-8gpu.yml")
+PROXY_1GPU = str(ROOT / "configs" / "deepseek3-proxy-1gpu.yml")
+CHECK = ROOT / "bench" / "results" / "step_model_check.json"
+
+
+def test_every_catalog_gpu_has_its_links_and_sources():
+  for gpu in hardware.GPUS.values():
+    assert gpu.hbm_tbps > 0 and gpu.nvlink_gbps > 0 and gpu.scale_out_gbps > 0 and gpu.host_gbps > 0, gpu
+    assert gpu.nvlink_domain >= gpu.gpus_per_node >= 1 and len(gpu.sources) >= 3, gpu
+  assert hardware.gpu_of_kind("NVIDIA GB300").name == "gb300"
+  assert hardware.gpu_of_kind("NVIDIA GB200").name == "gb200" and hardware.gpu_of_kind("NVIDIA B200").name == "b200"
+
+
+def test_a_gpu_without_a_calibration_is_the_h200_one_scaled_and_says_so():
+  own = calibration.calibration_for("h200")
+  assert not own.scaled and own.data["origin"] in ("derived", "measured")
+  assert ("not a calibrate.py run" in own.describe()) == (own.data["origin"] == "derived")
+  gb200 = calibration.calibration_for("gb200")
+  assert gb200.scaled and "no calibration measured" in gb200.describe()
+  assert gb200.compute_scale("fp8") == pytest.approx(5000 / 1978.9)
+  assert gb200.bandwidth_scale() == pytest.approx(8.0 / 4.8)
+  assert gb200.dense_tflops("bf16") == pytest.approx(own.dense_tflops("bf16") * 2500 / 989.4)
+  with pytest.raises(calibration.CalibrationError, match="valid choices"):
+    calibration.calibration_for("a100")
+
+
+def test_every_number_of_the_h200_file_says_where_it_comes_from():
+  data = calibration.calibration_for("h200").data
+  sources = [c["source"] for path in data["grouped_mlp"].values() for c in path.values() if isinstance(c, dict)]
+  sources += [data["dense_gemm_tflops"][d]["source"] for d in ("bf16", "fp8")] + [data["elementwise_tbps"]["source"]]
+  for source in sources:  # derived: a committed result file; measured: the benchmark function that measured it
+    name = source.split()[0]
+    assert (ROOT / "bench" / "results" / name).is_file() or data["origin"] == "measured" and ".py" in name, source
+  for key in ("dense_efficiency", "elementwise_efficiency", "optimizer_efficiency"):
+    assert data["fitted"][key]["rows"] == ["temoe_fp8"], key
+    assert all((ROOT / f.split()[0]).is_file() for f in data["fitted"][key]["fitted_from"])
+
+
+@pytest.fixture(scope="module")
+def proxy_plan():
+  """The 8-GPU proxy planned for 8 H200s (EP 8), its step-model job."""
+  p = plan.make_plan(PROXY_8GPU, [], 8, "h200")
+  ici, dcn = plan.mesh_split(p.config, 8)
+  return p, step_model.job_of(p.config, ici, dcn, 1, p.backend, p.quantization, p.estimate)
+
+
+def test_the_expert_exchange_is_priced_from_the_exchange_volume_and_never_hidden(proxy_plan):
+  p, job = proxy_plan
+  calib = calibration.calibration_for("h200")
+  pred = step_model.predict(job, calib, step_model.xla_flags_for(calib.gpu, {})[1])
+  a2a = next(c for c in pred.collectives if c.name.startswith("expert all-to-all"))
+  assert "dedup" in a2a.name and a2a.link == "NVLink" and a2a.ranks == 8 and a2a.exposed == a2a.seconds
+  from temoe.tools import exchange_volume  # pylint: disable=import-outside-toplevel
+
+  volume = exchange_volume.config_volumes(p.config, p.mesh)["dedup"]
+  layers = p.config.num_decoder_layers - p.config.first_num_dense_layers
+  recompute = 1 if step_model.recomputed_share(p.config, step_model.placements_of(p.config))["gate_up"] else 0
+  sent = layers * (volume.bytes + recompute * volume.bytes_forward / 2)
+  assert a2a.bytes == pytest.approx(sent * 7 / 8, rel=1e-3)  # a device's rows to itself stay
+  assert a2a.seconds == pytest.approx(a2a.bytes / (450e9 * step_model.LINK_EFFICIENCY["nvlink_all_to_all"]))
+  assert pred.step_seconds == pytest.approx(pred.compute + sum(c.exposed for c in pred.collectives))
+  assert pred.tokens == p.config.per_device_batch_size * p.config.max_target_length
+  assert pred.tflops == pytest.approx(pred.model_flops / pred.step_seconds / 1e12)
+
+
+def test_fsdp_collectives_hide_only_with_the_profiles_xla_flags():
+  p = plan.make_plan(PROXY_8GPU, ["ici_expert_parallelism=2", "ici_fsdp_parallelism=4"], 8, "h200")
+  ici, dcn = plan.mesh_split(p.config, 8)
+  job = step_model.job_of(p.config, ici, dcn, 1, p.backend, p.quantization, p.estimate)
+  calib = calibration.calibration_for("h200")
+  with_profile = step_model.predict(job, calib, step_model.xla_flags_for(calib.gpu, {})[1])
+  bare = step_model.predict(job, calib, {})
+  gathers = [c for c in bare.collectives if c.name.startswith("FSDP")]
+  assert gathers and all(c.exposed == c.seconds for c in gathers)
+  hidden = [c for c in with_profile.collectives if c.name.startswith("FSDP")]
+  assert all(c.exposed < c.seconds for c in hidden) and with_profile.step_seconds < bare.step_seconds
+  # the user's flag wins over the profile's: the pipelined all-gather turned off is exposed again
+  off = step_model.xla_flags_for(calib.gpu, {"XLA_FLAGS": "--xla_gpu_pipeline_all_gather=off"})[1]
+  gathered = [c for c in step_model.predict(job, calib, off).collectives if "all-gather" in c.name]
+  assert all(c.exposed == c.seconds for c in gathered)
+
+
+def test_groups_that_leave_the_nvlink_domain_take_the_nic():
+  p = plan.make_plan(PROXY_8GPU, ["num_slices=2", "ici_expert_parallelism=8", "dcn_expert_parallelism=2"], 16, "h100")
+  ici, dcn = plan.mesh_split(p.config, 16)
+  job = step_model.job_of(p.config, ici, dcn, 2, p.backend, p.quantization, p.estimate)
+  h100, gb200 = hardware.GPUS["h100"], hardware.GPUS["gb200"]
+  assert step_model.group_links(job, ("expert",), h100) == (16, 8)  # two 8-GPU nodes, 8 ranks in each
+  assert step_model.group_links(job, ("expert",), gb200) == (16, 16)  # one NVL72 domain holds both
+  seconds, moved, link = step_model.all_to_all_seconds(8e9, 8, 4, h100)
+  assert link == "NVLink + scale-out" and moved == 7e9
+  assert seconds == pytest.approx(4e9 / (50e9 * step_model.LINK_EFFICIENCY["scale_out"]))
+
+
+def test_a_pipelined_config_pays_maxtexts_bubble():
+  settings = ["ici_pipeline_parallelism=2", "ici_expert_parallelism=4", "num_pipeline_microbatches=4",
+              "pipeline_parallel_layers=2", "scan_layers=false"]
+  p = plan.make_plan(PROXY_8GPU, settings, 8, "h200")
+  ici, dcn = plan.mesh_split(p.config, 8)
+  job = step_model.job_of(p.config, ici, dcn, 1, p.backend, p.quantization, p.estimate)
+  stages, repeats, micro = step_model.pipeline(job)
+  assert (stages, micro) == (2, 4)
+  pred = step_model.predict(job, calibration.calibration_for("h200"), {})
+  fraction = (stages - 1) / (repeats * micro + stages - 1)
+  busy = sum(s.seconds for s in pred.stages if s.name != "optimizer") + sum(c.exposed for c in pred.collectives)
+  assert pred.bubble == pytest.approx(busy * fraction / (1 - fraction))
+  assert any(c.name == "pipeline send/receive" for c in pred.collectives)
+
+
+@pytest.mark.parametrize("ranks, flags, blocking", [
+    (64, "--xla_gpu_ragged_all_to_all_mode=symmetric", True),
+    (64, "", False),
+    (33, "--xla_gpu_ragged_all_to_all_mode=private --xla_gpu_ragged_all_to_all_mode=symmetric", True),
+])
+def test_one_shot_ragged_all_to_all_above_32_ranks_in_a_domain_is_flagged_with_the_setting(ranks, flags, blocking):
+  found = hazards.for_layout(ranks, ranks, flags)
+  crash = [h for h in found if "47283" in h.source]
+  assert len(crash) == 1 and crash[0].blocking is blocking
+  assert "leave xla_gpu_ragged_all_to_all_mode at private" in crash[0].fix
+  assert any("8 ranks" in h.what for h in found)  # wider than XLA's peer-pointer kernel too
+
+
+def test_small_or_split_expert_groups_raise_no_crash_hazard():
+  assert hazards.for_layout(32, 32, "--xla_gpu_ragged_all_to_all_mode=symmetric") == [hazards.peer_kernel_limit(32)]
+  assert hazards.for_layout(64, 8, "--xla_gpu_ragged_all_to_all_mode=symmetric") == [hazards.peer_kernel_limit(64)]
+  assert hazards.for_layout(8, 8, "--xla_gpu_ragged_all_to_all_mode=symmetric") == []
+
+
+def test_plan_flags_the_gb200_preset_ep_64_inside_one_nvl72(capsys):
+  assert plan.main([str(ROOT / "configs" / "deepseek3-671b-gb200x256.yml"), "--devices", "256", "--slices", "64",
+                    "--gpu", "gb200"]) == 0
+  out = capsys.readouterr().out
+  assert "64 expert-parallel ranks in one NVLink domain" in out and "openxla/xla#47283" in out
+  assert "step time on gb200 (gb200: no calibration measured; h200's" in out
+  assert "expert all-to-all (dedup) [NVLink, 64 ranks]" in out and "TFLOP/s/GPU (MaxText's count)" in out
+
+
+GB200 = hardware.Platform("gpu", "NVIDIA GB200", (10, 0), "2.20.2", None, (13, 4, 0))
+
+
+def test_doctor_warns_of_the_symmetric_mode_on_a_multi_node_nvlink_gpu_and_of_nccl_2_30_7():
+  environ = env.environment("blackwell", {"XLA_FLAGS": "--xla_gpu_ragged_all_to_all_mode=symmetric"})
+  report = doctor.diagnose(GB200, environ, None, (2, 30, 7))
+  assert any("openxla/xla#47283" in w and "do not pass --xla_gpu_ragged_all_to_all_mode=symmetric" in w
+             for w in report.warnings)
+  assert any("marin-community/marin#8313" in w for w in report.warnings) and report.problems == []
+  clean = doctor.diagnose(GB200, env.environment("blackwell"), None, (2, 28, 9))
+  assert not any("ragged all-to-all" in w for w in clean.warnings)
+
+
+def test_plan_prints_the_step_table_for_a_gpu_config_and_says_why_not_for_a_cpu_one(capsys):
+  assert plan.main([PROXY_1GPU]) == 0
+  out = capsys.readouterr().out
+  for stage in ("attention", "dense", "experts", "dispatch/combine", "elementwise", "optimizer"):
+    assert f"compute: {stage}" in out
+  assert "tokens/s/GPU" in out and "MFU" in out
+  assert plan.main([str(ROOT / "configs" / "deepseek3-smoke.yml")]) == 0
+  assert "step time: not predicted for hardware=cpu" in capsys.readouterr().out
+
+
+def test_sweep_ranks_the_layouts_that_fit(capsys):
+  assert plan.main([PROXY_8GPU, "--devices", "8", "--sweep", "--hbm-gib", "60"]) == 0
+  out = capsys.readouterr().out
+  assert "4 layouts of 8 devices in 1 slices" in out and "best: " in out
+  assert "expert 8 (8x1)" in out and "does not fit" in out  # EP 8's worst-case buffers plan at ~72 GiB
+  ranked = [line for line in out.splitlines() if line.strip()[:1].isdigit()]
+  tokens = [float(line.split()[-3].replace(",", "")) for line in ranked]
+  assert tokens == sorted(tokens, reverse=True) and len(ranked) >= 2
+  assert plan.main([PROXY_8GPU, "--sweep"]) == 2
+
+
+def test_the_calibration_bench_runs_every_measurement_on_cpu(tmp_path):
+  run = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate.py"), "--smoke", "--iters", "1", "--out",
+                        str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+  assert run.returncode == 0, run.stderr[-3000:]
+  data = json.loads((tmp_path / "smoke.json").read_text())
+  assert data["origin"] == "measured" and data["grouped_mlp"]["xla_bf16"]["smoke"]["layer_ms"] > 0
+  assert all(v["ms"] > 0 for v in data["grouped_gemm"].values())  # temoe's grouped GEMM, interpret mode
+  assert data["dense_gemm_tflops"]["bf16"]["value"] > 0 and data["attention_core_tflops"]["dot_product"]["value"] > 0
+  assert data["elementwise_tbps"]["value"] > 0 and data["optimizer_tbps"]["value"] > 0
+  assert "cudnn_flash_te_error" in data["attention_core_tflops"]  # no cuDNN here: said, not invented
+
+
+def close(a, b) -> bool:
+  if isinstance(a, float) or isinstance(b, float):
+    return math.isclose(a, b, rel_tol=1e-6)
+  if isinstance(a, dict):
+    return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+  if isinstance(a, list):
+    return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+  return a == b
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+  out = tmp_path_factory.mktemp("check") / "step_model_check.json"
+  run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_model_check.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+  assert run.returncode == 0, run.stderr[-3000:]
+  return json.loads(out.read_text())
+
+
+def test_the_committed_check_is_what_the_script_computes(regenerated):
+  committed = json.loads(CHECK.read_text())
+  assert [r["name"] for r in regenerated["rows"]] == [r["name"] for r in committed["rows"]]
+  for new, old in zip(regenerated["rows"], committed["rows"]):
+    assert close(new, old), (new, old)
+  assert regenerated["excluded"] == committed["excluded"]
+
+
+def test_no_row_counts_as_a_check_of_a_constant_fitted_to_it(regenerated):
+  fitted = calibration.calibration_for("h200").data["fitted"]
+  fitted_to = {r for entry in [fitted["dense_efficiency"], *fitted["attention_core_tflops"].values()]
+               for r in entry["rows"]}
+  for row in regenerated["rows"]:
+    path = row["name"].split(":")[1] if row["kind"] == "one_gpu" and row["name"].startswith("proxy") else None
+    if path in fitted_to:
+      assert row["fitted"], row
+  assert sum(r["fitted"] for r in regenerated["rows"]) == 3  # the two shipped-config runs and the stock tokamax run
+  assert {r["kind"] for r in regenerated["rows"]} == {"one_gpu", "published"}
+
+
+def test_the_readme_table_is_the_committed_check():
+  sys.path.insert(0, str(ROOT / "bench"))
+  import step_model_check  # pylint: disable=import-outside-toplevel
+
+  assert step_model_check.render_table(json.loads(CHECK.read_text())) in (ROOT / "README.md").read_text()
