@@ -48,7 +48,7 @@ def test_debug_anywhere_on_the_command_line_turns_tracebacks_on(capsys, monkeypa
 
   from temoe import cli, oneline  # pylint: disable=import-outside-toplevel
 
-  monkeypatch.delenv(oneline.DEBUG_ENV, raising=False)
+  monkeypatch.setenv(oneline.DEBUG_ENV, "0")  # monkeypatch puts back what was there after the test, --debug's too
   assert cli.main(["nothere", "--debug"]) == exits.NEEDS_PERSON
   assert os.environ[oneline.DEBUG_ENV] == "1"  # child processes (temoe profile's) see it too
   assert capsys.readouterr().err.startswith("temoe: unknown command 'nothere'")
