@@ -42,6 +42,21 @@ def config_error_message(exc: BaseException) -> str | None:
   return inputs.unknown_key(exc)
 
 
+def config_or_message(argv: list[str]):
+  """(MaxText's config for `argv`, None), or (None, the one line) for a bad config; MaxText's error block
+  is not printed. Other errors are raised."""
+  from temoe.maxtext import failures, introspect  # pylint: disable=import-outside-toplevel
+
+  failures.install_quiet_config_errors()
+  try:
+    return introspect.initialize_config(argv), None
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    message = config_error_message(exc)
+    if message is None:
+      raise
+    return None, message
+
+
 def training_failure(exc: BaseException) -> tuple[str, int, bool]:
   """(the one line for an exception raised while MaxText trained, the exit code, whether it is one temoe
   does not know, so its traceback is what a bug report needs)."""

@@ -60,10 +60,11 @@ def check_stop(tmp_path, code: int, log: str, reference: dict | None, metrics: s
   line = [l for l in log.strip().splitlines() if l.startswith("temoe: ")][-1]
   step = stopped_step(line)
   if step is None:
-    faults.check("SIGTERM before the first step", code, log)
+    faults.check("SIGTERM before the first step", code, log, jax_shutdown=two)
     assert runs.finalized_steps(tmp_path / "run" / "checkpoints") == [], f"{name}: it saved before its first step"
   else:
-    faults.check("SIGTERM to one of two processes" if two else "SIGTERM while training", code, log, step=step)
+    faults.check("SIGTERM to one of two processes" if two else "SIGTERM while training", code, log, jax_shutdown=two,
+                 step=step)
     logged = runs.losses(tmp_path / metrics)
     assert max(logged) == step, f"{name}: the last finished step is {max(logged)}, the line says {step}"
     assert runs.finalized_steps(tmp_path / "run" / "checkpoints")[-1] == step  # saved at the last finished step

@@ -48,7 +48,7 @@ def test_debug_anywhere_on_the_command_line_turns_tracebacks_on(capsys, monkeypa
 
   from temoe import cli, oneline  # pylint: disable=import-outside-toplevel
 
-  monkeypatch.delenv(oneline.DEBUG_ENV, raising=False)
+  monkeypatch.setenv(oneline.DEBUG_ENV, "0")  # monkeypatch puts back what was there after the test, --debug's too
   assert cli.main(["nothere", "--debug"]) == exits.NEEDS_PERSON
   assert os.environ[oneline.DEBUG_ENV] == "1"  # child processes (temoe profile's) see it too
   assert capsys.readouterr().err.startswith("temoe: unknown command 'nothere'")
@@ -65,3 +65,17 @@ def test_train_gives_the_signals_back_when_it_returns():
   before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
   assert cli.main(["train", SMOKE, "steps=0"]) == exits.NEEDS_PERSON
   assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_lost_peer_is_requeued_and_an_unknown_error_is_not():
+  """The message is the one a jax.distributed pair's survivor got when its peer was SIGKILLed mid-step."""
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+
+  lost = RuntimeError("UNKNOWN: Gloo AllGather failed: [external/gloo/transport/tcp/pair.cc:547] Connection closed "
+                      "by peer [127.0.0.1]:5512")
+  line, code, unknown = cli.training_failure(lost)
+  assert code == exits.REQUEUE and not unknown and "a lost peer or link" in line
+  line, code, unknown = cli.training_failure(ZeroDivisionError("division by zero"))
+  assert code == exits.FAILED and unknown and line.endswith("ZeroDivisionError: division by zero")
+  line, code, _ = cli.training_failure(OSError(28, "No space left on device", "/ckpt"))
+  assert code == exits.NEEDS_PERSON and "a write failed (No space left on device: /ckpt)" in line

@@ -164,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
   """`python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu H200]`: the count and MaxText's figure."""
   import json  # pylint: disable=import-outside-toplevel
 
-  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
   from temoe.run import inputs  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
@@ -180,17 +179,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"temoe flops: {exc}", file=sys.stderr)
     return 2
   from temoe import cli  # pylint: disable=import-outside-toplevel
-  from temoe.maxtext import failures  # pylint: disable=import-outside-toplevel
   from temoe.run import preflight  # pylint: disable=import-outside-toplevel
 
+  config, message = cli.config_or_message(["flops", *argv])
   try:
-    failures.install_quiet_config_errors()
-    config = introspect.initialize_config(["flops", *argv])
-    preflight.check_numbers(config)  # a negative batch would count negative FLOPs
-  except Exception as exc:  # pylint: disable=broad-exception-caught
-    message = cli.config_error_message(exc)
-    if message is None:
-      raise
+    if config is not None:
+      preflight.check_numbers(config)  # a negative batch would count negative FLOPs
+  except preflight.PreflightError as exc:
+    message = str(exc)
+  if message:
     print(f"temoe flops: {message}", file=sys.stderr)
     return 2
   print(json.dumps(summary(config, gpu=gpu), indent=1))

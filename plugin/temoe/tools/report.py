@@ -305,16 +305,13 @@ def main(argv: list[str] | None = None) -> int:
       inputs.check_config_file(args.config[0])
       inputs.check_settings(args.config[1:], "temoe report <run_dir> --config <config.yml> [key=value ...]")
       temoe.register()
-      from temoe.maxtext import failures, introspect  # pylint: disable=import-outside-toplevel
-
-      failures.install_quiet_config_errors()
-      count = flops.summary(introspect.initialize_config(["report", *args.config]), gpu=args.gpu)
-    except Exception as exc:  # pylint: disable=broad-exception-caught
-      message = cli.config_error_message(exc)
-      if message is None:
-        raise
+      config, message = cli.config_or_message(["report", *args.config])
+    except inputs.InputError as exc:
+      config, message = None, str(exc)
+    if message:
       print(f"temoe report: --config: {message}", file=sys.stderr)
       return 2
+    count = flops.summary(config, gpu=args.gpu)
   out = args.out or os.path.join(args.run_dir, "report")
   try:
     summary = report(args.run_dir, out, count, args.gpu)
