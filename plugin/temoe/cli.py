@@ -170,7 +170,7 @@ def run_training(maxtext_args: list[str]) -> int:
 
 
 def usage() -> str:
-  lines = ["usage: temoe [--debug] <command> [args]   (--debug or TEMOE_DEBUG=1: print tracebacks)", "", "  train     run MaxText's trainer with temoe: temoe train <config.yml> key=value ..."]
+  lines = ["usage: temoe <command> [args]   (temoe --debug <command> ... or TEMOE_DEBUG=1: print tracebacks)", "", "  train     run MaxText's trainer with temoe: temoe train <config.yml> key=value ..."]
   lines += [f"  {name:<9} {doc}" for name, (_, doc) in SUBCOMMANDS.items()]
   return "\n".join(lines)
 

@@ -53,6 +53,7 @@ def quiet_background_errors() -> None:
   import logging  # pylint: disable=import-outside-toplevel
 
   sys.excepthook = lambda *args: None  # C extensions' PyErr_Print in callbacks ends here
+  sys.unraisablehook = lambda unraisable: None  # "Exception ignored in: <coroutine ...>" of an aborted load
   threading.excepthook = lambda args: None
   make_record = logging.getLogRecordFactory()
 
