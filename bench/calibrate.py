@@ -196,7 +196,7 @@ def bandwidth(shapes: list[tuple[int, ...]], iters: int) -> dict:
     reduce_s += timed(amax, a, iters=iters)
     copy_s += timed(scale, a, iters=iters)
   return {"value": read / reduce_s / 1e12, "copy_tbps": 2 * read / copy_s / 1e12, "shapes": [list(s) for s in shapes],
-          "source": "bf16 amax (read only) over the MoE layer's operand shapes; copy: a * 2"}
+          "source": "bench/calibrate.py bandwidth: bf16 amax (read only) over the MoE layer's operand shapes; copy: a * 2"}
 
 
 def optimizer(params: int, iters: int) -> dict:
@@ -219,7 +219,7 @@ def optimizer(params: int, iters: int) -> dict:
   seconds = timed(update, p, g, state, iters=iters)
   moved = params * (3 * 2 + 4 * 2)
   return {"value": moved / seconds / 1e12, "params": params, "params_per_s": params / seconds,
-          "source": "optax.adamw (bf16 params and moments) update + apply"}
+          "source": "bench/calibrate.py optimizer: optax.adamw (bf16 params and moments) update + apply"}
 
 
 # --- the H200 file from committed results ------------------------------------------------------------
@@ -332,7 +332,8 @@ def measurements(smoke: bool, iters: int) -> dict:
             "attention_core_tflops": lambda: attention(1, 64, 2, 48, iters),
             "elementwise_tbps": lambda: bandwidth([(256, 128)], iters), "optimizer_tbps": lambda: optimizer(1 << 12, iters)}
   shapes = {"dsv3": (7168, 2048, 32, 8192, 8), "dsv3_ep8": (7168, 2048, 8, 8192, 2),
-            "dsv3_ep64": (7168, 2048, 4, 4096, 8), "qwen3_30b_a3b": (2048, 768, 128, 8192, 8)}
+            "dsv3_ep64": (7168, 2048, 4, 32768, 1),  # one EP-64 rank: 4 local experts, 4096 x 8 rows
+            "qwen3_30b_a3b": (2048, 768, 128, 8192, 8)}
   operand_shapes = [(69632, 7168), (69632, 4096), (69632, 2048), (32, 7168, 4096), (32, 2048, 7168)]
   return {"grouped_mlp": lambda: grouped(shapes, PATHS, iters), "grouped_gemm": lambda: grouped_gemm(shapes, iters),
           "dense_gemm_tflops": lambda: dense(DENSE_ROLES, 8192, iters),

@@ -26,7 +26,8 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.variants.json", "proxy_1gpu.run2-allpaths.json")
+PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.paths.json", "proxy_1gpu.variants.json",
+               "proxy_1gpu.run2-allpaths.json")
 EXCLUDED = {
     ("proxy_1gpu.run2-allpaths.json", "temoe_fp8"): (
         "ran temoe's block as it was on 2026-11-29 (FP8 expert GEMMs on TE's synchronising grouped GEMM, autoselected "
@@ -114,7 +115,7 @@ def one_gpu_rows() -> tuple[list[dict], list[dict]]:
         excluded.append({"name": f"{file}:{path}", "why": f"no step time ({measured.get('error', 'not run')[:200]})"})
         continue
       job = calibrate.proxy_job(path)
-      extra = proxy_1gpu.PATHS[path][2]  # True: the container profile, what xla_flags_for adds anyway
+      extra = proxy_1gpu.PATHS[path.split("@")[0]][2]  # True: the container profile, what xla_flags_for adds anyway
       _, flags = step_model.xla_flags_for(calib.gpu, dict(extra) if isinstance(extra, dict) else {})
       p = step_model.predict(job, calib, flags)
       rows.append({"name": f"{file}:{path}", "kind": "one_gpu", "fitted": path in fitted_rows(calib.data, str(job.config.attention)),

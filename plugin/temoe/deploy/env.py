@@ -85,7 +85,7 @@ LEFT_TO_XLA = {
         "XLA's default (JAX 0.11: FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL) already "
         "runs the step as CUDA graphs, custom calls included; on the 1-GPU proxy the profile with NVIDIA's narrower "
         "DSv3 list (FUSION,CUBLAS,CUDNN,DYNAMIC_SLICE_FUSION) measured 2.9% slower, an explicit list that only drops "
-        "CONDITIONAL 2.8% (bench/results/proxy_1gpu.json: temoe_fp8_env, temoe_fp8_graphs)"),
+        "CONDITIONAL 2.8% (bench/results/proxy_1gpu.paths.json: temoe_fp8_env, temoe_fp8_graphs)"),
 }
 """Flags recipes set that the profile deliberately leaves at XLA's default, with the measured reason."""
 
