@@ -14,6 +14,9 @@ Per device and step:
   overlap    what the XLA flags in force allow (`OVERLAP_FLAGS`): FSDP collectives hide behind layer
              compute, the all-reduce behind the backward; the expert exchange never hides (each MoE
              layer waits for its rows);
+  Megatron   a published Megatron-Core run (`Megatron`, set by bench/step_model_check.py) is priced as its
+             recipe runs it: the distributed optimizer's once-per-step collectives instead of FSDP's, and
+             the overlaps its recipe turns on (pipeline transfers, the expert exchange);
   bubble     (stages - 1) / (repeats * microbatches + stages - 1) of the pipelined time (MaxText's formula).
 step = compute + exposed communication + bubble; tokens/s/GPU, TFLOP/s/GPU (temoe.tools.flops, MaxText's
 count) and MFU against the FLOP-weighted peak follow.
