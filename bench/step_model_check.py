@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import pathlib
@@ -48,38 +49,62 @@ GB200_PP4 = ["dcn_pipeline_parallelism=4", "ici_expert_parallelism=4", "dcn_expe
              "num_layers_per_pipeline_stage=2", "quantization=te_mxfp8"]
 """Megatron's TP1 PP4 VP4 EP64 MBS 1 on 256 GPUs in MaxText: 4 stages of 14 pipelined layers in 7 repeats,
 EP 64 in one rack, 64 microbatches of one sequence per pipeline replica; GBS 4096."""
+MB = "github.com/NVIDIA-NeMo/Megatron-Bridge"
+MB_2602 = {"overlap_grad_reduce": True, "overlap_param_gather": True, "overlap_p2p": True,
+           "overlap_expert_exchange": False}
+"""Megatron-Bridge 26.02's DeepSeek-V3 GB300/GB200 MXFP8 V2 recipes (tag v0.3.0): distributed optimizer with
+overlap_grad_reduce and overlap_param_gather (src/megatron/bridge/recipes/deepseek/deepseek_v3.py; comm_overlap.
+overlap_grad_reduce=True in scripts/performance/configs/deepseek/deepseek_llm_pretrain.py), overlap_p2p_comm with
+VP > 1 (src/megatron/bridge/training/comm_overlap.py), moe_a2a_overlap=False (scripts/performance/configs/
+deepseek/deepseek_workload_base_configs.py)."""
+MB_2608 = {**MB_2602, "overlap_expert_exchange": True}
+"""Megatron-Bridge 26.08's GB300/GB200 MXFP8 recipes (tag v0.6.0, src/megatron/bridge/perf_recipes/deepseek/
+{gb300,gb200}/deepseek_v3.py): as 26.02, and _enable_deepseek_full_iteration_mxfp8 (perf_recipes/deepseek/
+common.py) sets comm_overlap.overlap_moe_expert_parallel_comm and delay_wgrad_compute."""
+MB_2509_H100 = {"overlap_grad_reduce": False, "overlap_param_gather": True, "overlap_p2p": True,
+                "overlap_expert_exchange": True}
+"""Megatron-Bridge 25.09's H100 DeepSeek-V3 run (commit fa0315ae2, the 25.09 performance summary's):
+scripts/performance/run_script.py sets overlap_moe_expert_parallel_comm and delay_wgrad_compute (A2A_1F1B on
+h100), DeepEP, and comm_overlap.overlap_grad_reduce=False on h100; the recipe's distributed optimizer with
+overlap_param_gather (src/megatron/bridge/recipes/deepseek/deepseek_v3.py), overlap_p2p_comm with VP 4."""
 PUBLISHED = [
-    # name, GPU, config, devices, slices, MaxText settings, reference, unit, source
+    # name, GPU, config, devices, slices, MaxText settings, reference, unit, source, how Megatron runs it
     ("NVIDIA JAX + TE, 128 GB200, MXFP8 (FSDP 16 x EP 8, batch 6)", "gb200", "deepseek3-671b-gb200x256.yml", 128, 32,
      ["ici_expert_parallelism=4", "dcn_expert_parallelism=2", "dcn_fsdp_parallelism=16", "per_device_batch_size=6"],
      1068.0, "TFLOP/s/GPU",
      f"{SEEDS}: 1,068 TFLOP/s/GPU optimised on GB200; layout, batch and recipe from NVIDIA's DeepSeek-V3 recipe "
      "(JAX-Toolbox docs/frameworks/maxtext/deepseek-v3-moe: 128 GPUs, FSDP 16 x EP 8, per_device_batch_size 6, "
-     "te_mxfp8, te_fp8_currentscaling dense, cudnn_flash_te, moe_mlpwi offload); the article's GPU count not stated"),
+     "te_mxfp8, te_fp8_currentscaling dense, cudnn_flash_te, moe_mlpwi offload); the article's GPU count not stated",
+     None),
     ("Megatron-Core paper, 256 GB300, MXFP8 (TP1 PP2 VP8 EP32, MBS 2)", "gb300", "deepseek3-671b-gb200x256.yml", 256, 64,
      [*GB300_PP2, "num_pipeline_microbatches=16"],
      1233.0, "TFLOP/s/GPU",
      "arXiv 2603.07685 (Megatron-Core MoE report): 1,233 TFLOP/s/GPU, 256 GB300; its layout assumed to be Megatron-"
-     f"Bridge 26.02.01's DeepSeek-V3 GB300 row (1,219 TFLOP/s: GBS 4096, MBS 2, TP1 PP2 VP8 EP32, MXFP8; {BRIDGE})"),
+     f"Bridge 26.02.01's DeepSeek-V3 GB300 row (1,219 TFLOP/s: GBS 4096, MBS 2, TP1 PP2 VP8 EP32, MXFP8; {BRIDGE}) "
+     f"and its 26.02 recipe ({MB} v0.3.0)", MB_2602),
     ("Megatron-Core paper, 256 GB200, MXFP8 (TP1 PP4 VP4 EP64, MBS 1)", "gb200", "deepseek3-671b-gb200x256.yml", 256, 64,
      GB200_PP4,
      1048.0, "TFLOP/s/GPU",
      "arXiv 2603.07685: 1,048 TFLOP/s/GPU, 256 GB200; layout assumed to be Megatron-Bridge 26.02.01's GB200 row "
-     f"(1,046 TFLOP/s: GBS 4096, MBS 1, TP1 PP4 VP4 EP64, MXFP8; {BRIDGE})"),
+     f"(1,046 TFLOP/s: GBS 4096, MBS 1, TP1 PP4 VP4 EP64, MXFP8; {BRIDGE}) and its 26.02 recipe ({MB} v0.3.0)",
+     MB_2602),
     ("Megatron-Bridge 26.08, 256 GB300, MXFP8 (TP1 PP2 VP8 EP32, MBS 1)", "gb300", "deepseek3-671b-gb200x256.yml", 256, 64,
      [*GB300_PP2, "num_pipeline_microbatches=32"],
      1635.0, "TFLOP/s/GPU", f"{BRIDGE}, 26.08: GB300, 256 GPUs, MXFP8, GBS 4096, MBS 1, seq 4096, TP1 PP2 CP1 VP8 EP32: "
-     "6,288 tokens/s/GPU, 1,635 TFLOP/s/GPU"),
+     "6,288 tokens/s/GPU, 1,635 TFLOP/s/GPU; recipe: perf_recipes/deepseek/gb300/deepseek_v3.py "
+     f"fp8mx ({MB} v0.6.0)", MB_2608),
     ("Megatron-Bridge 26.08, 256 GB200, MXFP8 (TP1 PP4 VP4 EP64, MBS 1)", "gb200", "deepseek3-671b-gb200x256.yml", 256, 64,
      GB200_PP4,
      1276.0, "TFLOP/s/GPU", f"{BRIDGE}, 26.08: GB200, 256 GPUs, MXFP8, GBS 4096, MBS 1, seq 4096, TP1 PP4 CP1 VP4 EP64: "
-     "4,912 tokens/s/GPU, 1,276 TFLOP/s/GPU"),
+     "4,912 tokens/s/GPU, 1,276 TFLOP/s/GPU; recipe: perf_recipes/deepseek/gb200/deepseek_v3.py "
+     f"fp8mx ({MB} v0.6.0)", MB_2608),
     ("Megatron-Bridge 25.09, 1,024 H100, FP8 (TP2 PP8 VP4 EP64, MBS 1)", "h100", "deepseek3-671b-h100x1024.yml", 1024, 128,
      ["ici_tensor_parallelism=2", "ici_expert_parallelism=4", "dcn_expert_parallelism=16", "dcn_fsdp_parallelism=1",
       "dcn_pipeline_parallelism=8", "per_device_batch_size=8", "num_pipeline_microbatches=128",
       "pipeline_parallel_layers=56", "num_layers_per_pipeline_stage=1"],
      338.0, "TFLOP/s/GPU", f"{BRIDGE} (archive), 25.09: H100, 1,024 GPUs, dropless, GBS 8192, MBS 1, seq 4096, TP2 PP8 "
-     "CP1 VP4 EP64 GA128: 1,297 tokens/s/GPU, 338 TFLOP/s/GPU (330 with 128x128/1x128 blockwise FP8)"),
+     "CP1 VP4 EP64 GA128: 1,297 tokens/s/GPU, 338 TFLOP/s/GPU (330 with 128x128/1x128 blockwise FP8); recipe: "
+     f"scripts/performance/run_script.py ({MB} fa0315ae2)", MB_2509_H100),
 ]
 TOKENS = {"Megatron-Bridge 26.08, 256 GB300": 6288.0, "Megatron-Bridge 26.08, 256 GB200": 4912.0,
           "Megatron-Bridge 25.09, 1,024 H100": 1297.0}
@@ -175,10 +200,11 @@ def published_rows() -> list[dict]:
   from temoe.tools import calibration, plan, step_model  # pylint: disable=import-outside-toplevel
 
   rows = []
-  for name, gpu, config, devices, slices, settings, reference, unit, source in PUBLISHED:
+  for name, gpu, config, devices, slices, settings, reference, unit, source, megatron in PUBLISHED:
     p = plan.make_plan(str(ROOT / "configs" / config), [f"num_slices={slices}", *settings], devices, gpu)
     ici, dcn = plan.mesh_split(p.config, devices)
-    job = step_model.job_of(p.config, ici, dcn, slices, p.backend, p.quantization, p.estimate)
+    job = dataclasses.replace(step_model.job_of(p.config, ici, dcn, slices, p.backend, p.quantization, p.estimate),
+                              megatron=step_model.Megatron(**megatron) if megatron else None)
     calib = calibration.calibration_for(gpu)
     _, flags = step_model.xla_flags_for(calib.gpu, {})
     pred = step_model.predict(job, calib, flags)

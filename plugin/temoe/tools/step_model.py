@@ -14,6 +14,9 @@ Per device and step:
   overlap    what the XLA flags in force allow (`OVERLAP_FLAGS`): FSDP collectives hide behind layer
              compute, the all-reduce behind the backward; the expert exchange never hides (each MoE
              layer waits for its rows);
+  Megatron   a published Megatron-Core run (`Megatron`, set by bench/step_model_check.py) is priced as its
+             recipe runs it: the distributed optimizer's once-per-step collectives instead of FSDP's, and
+             the overlaps its recipe turns on (pipeline transfers, the expert exchange);
   bubble     (stages - 1) / (repeats * microbatches + stages - 1) of the pipelined time (MaxText's formula).
 step = compute + exposed communication + bubble; tokens/s/GPU, TFLOP/s/GPU (temoe.tools.flops, MaxText's
 count) and MFU against the FLOP-weighted peak follow.
@@ -77,6 +80,23 @@ class StepModelError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class Megatron:
+  """How a Megatron-Core job runs what MaxText's settings express differently, for pricing published Megatron
+  runs (bench/step_model_check.py); temoe's own jobs have none and keep MaxText's pricing. Every Megatron-Bridge
+  DeepSeek-V3 recipe uses the distributed optimizer (ZeRO-1: `ddp.use_distributed_optimizer=True`, bf16 gradients
+  `grad_reduce_in_fp32=False`; NVIDIA-NeMo/Megatron-Bridge src/megatron/bridge/recipes/deepseek/deepseek_v3.py,
+  h100/deepseek_v3.py since 26.06):
+  weights replicated over data parallelism, gradients reduce-scattered and weights all-gathered once per step, not
+  per microbatch. Its layers are separate modules (Megatron-LM megatron/core/transformer/transformer_block.py),
+  so no weight is sliced out of a layer stack per microbatch."""
+
+  overlap_grad_reduce: bool  # ddp.overlap_grad_reduce: the reduce-scatter behind the backward
+  overlap_param_gather: bool  # ddp.overlap_param_gather: the all-gather behind the forward
+  overlap_p2p: bool  # overlap_p2p_comm (on with VP > 1: Megatron-Bridge training/comm_overlap.py)
+  overlap_expert_exchange: bool  # overlap_moe_expert_parallel_comm (with delay_wgrad_compute)
+
+
+@dataclasses.dataclass(frozen=True)
 class Job:
   """What the step model reads of one planned run (built by `temoe plan` from MaxText's config and mesh)."""
 
@@ -88,6 +108,7 @@ class Job:
   dense_quantization: str  # MaxText's `quantization` as asked (planned without TE, the config may lack it)
   local_params: float  # trainable parameters held by one device
   optimizer_bytes: float  # optimizer state bytes on one device
+  megatron: Megatron | None = None  # a published Megatron-Core run priced as Megatron runs it
 
   @property
   def devices(self) -> int:
@@ -392,6 +413,17 @@ class Work:
   optimizer_bytes: float
 
 
+def weight_passes(job: Job) -> int:
+  """Passes over a device's weights per step (`WEIGHT_PASSES`); a Megatron run has no layer stack to slice
+  per microbatch (`Megatron`), its gradient buffer is zeroed once."""
+  return WEIGHT_PASSES[1] + (0 if job.megatron else WEIGHT_PASSES[0] * microbatches(job))
+
+
+def local_params(job: Job) -> float:
+  """Trainable parameters one device holds: MaxText's sharding, or a Megatron run's (`megatron_local_params`)."""
+  return sum(megatron_local_params(job)) if job.megatron else job.local_params
+
+
 def work(job: Job, calib: cal.Calibration) -> Work:
   c = job.config
   count = flops.count(c)
@@ -420,7 +452,7 @@ def work(job: Job, calib: cal.Calibration) -> Work:
       dtype=dtype, experts_s=experts_s, dispatch_s=dispatch_s, experts_note=note,
       elementwise_bytes=(passes * tokens * layers * c.emb_dim * act
                          + VOCAB_BYTES * tokens * c.vocab_size / job.size(TENSOR_AXES)
-                         + (WEIGHT_PASSES[0] * microbatches(job) + WEIGHT_PASSES[1]) * job.local_params * weight_bytes),
+                         + weight_passes(job) * local_params(job) * weight_bytes),
       optimizer_bytes=job.local_params * 3 * weight_bytes + 2 * job.optimizer_bytes,
   )
 
@@ -450,9 +482,12 @@ def predict(job: Job, calib: cal.Calibration, xla_flags: dict[str, str]) -> Pred
   act = 2 if str(c.dtype) == "bfloat16" else 4
   layers = c.num_decoder_layers + c.mtp_num_layers
   layer_compute = sum(s.seconds for s in stages if s.name != "optimizer")
-  collectives = expert_exchange(job, gpu, count.tokens, share)
-  collectives += fsdp(job, gpu, microbatches(job), layer_compute, collectives, xla_flags)
-  collectives += data_parallel(job, gpu, layer_compute / microbatches(job), xla_flags)
+  collectives = expert_exchange(job, gpu, count.tokens, share, layer_compute)
+  if job.megatron:
+    collectives += distributed_optimizer(job, gpu, layer_compute)
+  else:
+    collectives += fsdp(job, gpu, microbatches(job), layer_compute, collectives, xla_flags)
+    collectives += data_parallel(job, gpu, layer_compute / microbatches(job), xla_flags)
   collectives += tensor_parallel(job, gpu, count.tokens, layers, share, act)
   collectives += pipeline_transfers(job, gpu, count.tokens, act)
   collectives += host_offload(job, gpu, count.tokens, act, layer_compute)
@@ -474,7 +509,23 @@ def flag_on(xla_flags: dict[str, str], key: str) -> bool:
   return xla_flags.get(OVERLAP_FLAGS[key], "").lower() in ("true", "on", "1", "auto")
 
 
-def expert_exchange(job: Job, gpu, tokens: float, share: dict) -> list[Collective]:
+def steady_share(job: Job) -> float:
+  """Of a step's forward (and backward) passes, the share Megatron's schedule pairs with a pass of another
+  microbatch: all but the warm-up forwards and cool-down backwards, (stages - 1) + (chunks - 1) x stages per
+  rank on average in the interleaved schedule (Megatron-LM core/pipeline_parallel/schedules.py,
+  num_warmup_microbatches), the circular pipeline's repeats standing for the virtual chunks; all but one without
+  pipelining."""
+  stages, repeats, micro = pipeline(job)
+  passes = repeats * micro if stages > 1 else microbatches(job)
+  warmup = (stages - 1) + (repeats - 1) * stages if stages > 1 else 1
+  return max(0.0, 1 - min(warmup, passes) / passes)
+
+
+def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 0.0) -> list[Collective]:
+  """The expert all-to-all of every MoE layer. It never hides in MaxText (each layer waits for its rows); a
+  Megatron run with `overlap_moe_expert_parallel_comm` overlaps one microbatch's dispatch and combine with
+  another's computation in the 1F1B schedule (Megatron-Core MoE docs, "EP communication overlap"), which hides
+  it behind `compute` on the passes the schedule pairs (`steady_share`)."""
   c = job.config
   ep = job.size(("expert",))
   if ep <= 1 or not moe_layers(c):
@@ -490,6 +541,12 @@ def expert_exchange(job: Job, gpu, tokens: float, share: dict) -> list[Collectiv
   sent = moe_layers(c) * (volume.bytes + share["gate_up"] * volume.bytes_forward / 2)  # dispatch again if recomputed
   ranks, inside = group_links(job, ("expert",), gpu)
   seconds, moved, link = all_to_all_seconds(sent, ranks, inside, gpu)
+  if job.megatron and job.megatron.overlap_expert_exchange:
+    paired = steady_share(job)
+    exposed = seconds * (1 - paired) + max(0.0, (seconds - compute) * paired)
+    return [Collective(f"expert all-to-all ({strategy})", moved, ranks, link, seconds, exposed,
+                       f"{distinct:.2f} ranks/token modelled; overlapped with another microbatch's compute "
+                       f"(overlap_moe_expert_parallel_comm) on {paired:.0%} of the passes")]
   return [Collective(f"expert all-to-all ({strategy})", moved, ranks, link, seconds, seconds,
                      f"{distinct:.2f} ranks/token modelled; never hidden: each MoE layer waits for its rows")]
 
@@ -547,6 +604,42 @@ def fsdp(job: Job, gpu, micro: int, layer_compute: float, earlier: list, xla_fla
   return exposed
 
 
+def megatron_local_params(job: Job) -> tuple[float, float]:
+  """(non-expert, expert) parameters one device of a Megatron run holds: its pipeline stage's layers,
+  non-expert weights split by tensor parallelism only (replicated over data parallelism), expert weights
+  as the job's layout splits them."""
+  non_expert, expert = layer_weights(job.config, job.size(TENSOR_AXES), job.size(("expert",)))
+  stages = pipeline(job)[0]
+  return non_expert / stages, expert / stages
+
+
+def distributed_optimizer(job: Job, gpu, layer_compute: float) -> list[Collective]:
+  """Megatron's distributed optimizer (ZeRO-1, `Megatron`): once per step the bf16 gradients are
+  reduce-scattered and the updated bf16 weights all-gathered over each weight's data-parallel group (non-expert
+  weights: every rank of the stage but its tensor-parallel peers; expert weights: those holding the same
+  experts); bucketed, each hidden behind the backward / the next forward when its overlap setting is on, all
+  but the last bucket (one layer's share)."""
+  m = job.megatron
+  non_expert, expert = megatron_local_params(job)
+  replica = [a for a in job.config.mesh_axes if a not in TENSOR_AXES + ("stage",)]
+  layers = job.config.num_decoder_layers / pipeline(job)[0]
+  out, budget = [], layer_compute
+  for label, params, axes in (("non-expert", non_expert, tuple(replica)),
+                              ("expert", expert, tuple(a for a in replica if a != "expert"))):
+    ranks, inside = group_links(job, axes, gpu)
+    if ranks <= 1 or params <= 0:
+      continue
+    seconds, moved, link = ring_seconds(params * 2, ranks, inside, gpu)  # bf16 weights and gradients
+    for kind, overlap in (("reduce-scatter", m.overlap_grad_reduce), ("all-gather", m.overlap_param_gather)):
+      take = min(seconds * (1 - 1 / max(layers, 1)), budget) if overlap else 0.0
+      budget -= take
+      what = "grads" if kind == "reduce-scatter" else "weights"
+      setting = "overlap_grad_reduce" if kind == "reduce-scatter" else "overlap_param_gather"
+      out.append(Collective(f"distributed-optimizer {kind} ({label} {what})", moved, ranks, link, seconds,
+                            seconds - take, "once per step; " + (f"hidden ({setting})" if overlap else "exposed")))
+  return out
+
+
 def data_parallel(job: Job, gpu, micro_compute: float, xla_flags) -> list[Collective]:
   """All-reduce of every gradient once per step over the replica axes (and the stage axis where it acts as
   data); hidden behind the last microbatch's backward with the pipelined all-reduce."""
@@ -586,9 +679,12 @@ def pipeline_transfers(job: Job, gpu, tokens, act) -> list[Collective]:
   bandwidth = gpu.nvlink_gbps * LINK_EFFICIENCY["nvlink"] if inside >= ranks else gpu.scale_out_gbps * LINK_EFFICIENCY["scale_out"]
   seconds = moved / (bandwidth * 1e9)
   delayed = bool(job.config.pipeline_delay_activation_forwarding)  # MaxText: transfers off the critical path
+  why = "pipeline_delay_activation_forwarding" if delayed else ""
+  if job.megatron and job.megatron.overlap_p2p:  # Megatron's interleaved schedule sends while it computes
+    delayed, why = True, "overlap_p2p_comm"
   return [Collective("pipeline send/receive", moved, ranks, "NVLink" if inside >= ranks else "scale-out", seconds,
                      0.0 if delayed else seconds, "stage to stage, every microbatch and repeat; "
-                     + ("overlapped (pipeline_delay_activation_forwarding)" if delayed else "exposed"))]
+                     + (f"overlapped ({why})" if delayed else "exposed"))]
 
 
 def host_offload(job: Job, gpu, tokens, act, layer_compute) -> list[Collective]:
