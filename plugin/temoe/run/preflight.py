@@ -25,6 +25,7 @@ functions, and write nothing but the run directory MaxText would create anyway (
 from __future__ import annotations
 
 import os
+import tempfile
 
 from temoe import oneline, recipes
 
@@ -155,23 +156,28 @@ def check_run_name(run_name: str) -> None:
 
 
 def check_metrics_file(metrics_file: str) -> None:
-  """MaxText appends to metrics_file after step 0; check it can, before compiling."""
+  """MaxText appends to metrics_file after step 0; check it can, before compiling. A file not there yet is
+  not created: every process of a job may check the same path at once, so the check creates a file of its
+  own beside it instead (creating and removing the shared name raced: one process removed what another had
+  just created and then failed to remove)."""
   if not metrics_file or "://" in metrics_file:
     return
-  existed = os.path.exists(metrics_file)
   try:
     if os.path.isdir(metrics_file):
       raise IsADirectoryError(21, "Is a directory")
-    os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
-    with open(metrics_file, "a", encoding="utf-8"):
-      pass
+    if os.path.exists(metrics_file):
+      with open(metrics_file, "a", encoding="utf-8"):
+        pass
+    else:
+      parent = os.path.dirname(os.path.abspath(metrics_file))
+      os.makedirs(parent, exist_ok=True)
+      with tempfile.NamedTemporaryFile(dir=parent, prefix=".temoe-write-check-"):
+        pass
   except OSError as exc:
     raise PreflightError(
         f"metrics_file={metrics_file} cannot be written ({exc.strerror or exc}); pass a file path this process can "
         "write, or metrics_file='' for none."
     ) from exc
-  if not existed:
-    os.unlink(metrics_file)
 
 
 DISK_MARGIN = 1.1
@@ -235,13 +241,11 @@ def check_writable_dir(path: str, what: str) -> None:
   existing = local
   while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
     existing = os.path.dirname(existing)
-  probe = os.path.join(existing, f".temoe-probe-{os.getpid()}")
   try:
     if not os.path.isdir(existing):
       raise NotADirectoryError(20, "Not a directory")
-    with open(probe, "w", encoding="utf-8"):
+    with tempfile.NamedTemporaryFile(dir=existing, prefix=".temoe-probe-"):  # a name of its own: hosts share disks
       pass
-    os.unlink(probe)
   except OSError as exc:
     raise PreflightError(
         f"{what} {path} is not a writable directory ({exc.strerror or exc}); fix its permissions or mount, or point "
