@@ -30,9 +30,13 @@ train: venv
 	$(VENV)/bin/temoe train $(CONFIG) base_output_directory=runs run_name=$(RUN) metrics_file=runs/$(RUN)/metrics.jsonl $(ARGS)
 	$(PY) -m temoe.tools.summary runs/$(RUN)/metrics.jsonl
 
+# One pytest worker per core, at most 4 (each worker compiles JAX programs and starts training processes);
+# --dist loadfile keeps a file's tests, and its module fixtures, on one worker.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+
 test: venv
 	$(VENV)/bin/ruff check plugin tests bench
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
