@@ -161,10 +161,7 @@ def why_not(recipe: str, kernel: str, platform, shape: ModelShape | None = None)
     if cc[0] != HOPPER[0]:
       if "te" in r.align:
         return "temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); this GPU takes the te backend."
-      others = [n for n, o in REGISTRY.items() if o.fp8 and "te" in o.align
-                and not (o.min_compute_capability and cc < o.min_compute_capability)]
-      return (f"temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); {recipe} runs on Hopper only"
-              f" (here: {' or '.join(others) or 'te_no_quant'}).")
+      return f"temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); {recipe} runs on Hopper only."
     if importlib.util.find_spec("jax.experimental.mosaic.gpu") is None:
       return "this JAX has no Mosaic GPU (jax.experimental.mosaic.gpu)."
     multiple = MOSAIC_DIM_MULTIPLE[r.scaling]

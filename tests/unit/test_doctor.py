@@ -35,7 +35,7 @@ def test_a_ready_gpu_with_the_profile_in_force_has_no_problem(plat, arch):
   assert lines["profile"] == f"{arch}: {n} of {n} in force, 0 yours, 0 missing"
   mxfp8 = "te_gmm_quantization=te_mxfp8: te_mxfp8 needs Blackwell (sm_100+)."
   blockwise = ("te_gmm_quantization=te_fp8_blockwise: temoe's Mosaic GPU kernels use Hopper's wgmma (sm_90); "
-               "te_fp8_blockwise runs on Hopper only (here: te_fp8_current or te_mxfp8).")
+               "te_fp8_blockwise runs on Hopper only.")
   assert report.warnings == ([blockwise] if arch == "blackwell" else [mxfp8])
   expected = {"hopper": "te_no_quant (mosaic), te_fp8_current (mosaic), te_fp8_blockwise (mosaic)",
               "blackwell": "te_no_quant (te), te_fp8_current (te), te_mxfp8 (te)"}

@@ -228,7 +228,7 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
     if bk != 128:
       problems.append(f"block scaling needs block_k=128 (one scale per 128 of K), got {bk}")
     if form == "rows" and 128 % cfg.block_n:
-      problems.append(f"block scaling needs block_n in (64, 128) (a tile inside one 128-wide weight block), got {cfg.block_n}")
+      problems.append(f"block scaling needs a block_n dividing 128 (a tile inside one 128-wide weight block), got {cfg.block_n}")
     if cfg.promote:
       problems.append("block scaling promotes every k-block already (promote must be 0)")
     if cfg.overlap and cfg.stages < 2:
