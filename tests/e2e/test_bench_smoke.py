@@ -39,7 +39,6 @@ def test_small_model_trains_each_path_on_the_learnable_stream_and_profiles(tmp_p
                  "--loss-window", "4", "--profile", "--profile-paths", "temoe_bf16")
   ours, stock = result["paths"]["temoe_bf16"], result["paths"]["tokamax"]
   assert ours["loss_steps"] == stock["loss_steps"] == [4, 7]
-  assert ours["loss_ratio_to_temoe_bf16"] == 1.0
   assert stock["loss_ratio_to_temoe_bf16"] == pytest.approx(stock["loss_mean_last_4"] / ours["loss_mean_last_4"])
   assert abs(stock["loss_ratio_to_temoe_bf16"] - 1) < 0.02  # the same model and data: the two MoEs agree
   assert result["ratios"]["temoe_bf16_over_tokamax_tokens"] == pytest.approx(ours["tokens_per_s"] / stock["tokens_per_s"])

@@ -702,7 +702,7 @@ def host_offload(job: Job, gpu, tokens, act, layer_compute) -> list[Collective]:
   policy = act_model.remat_policy(c)
   total = 0.0
   for moe, count in ((False, c.num_decoder_layers - moe_layers(c)), (True, moe_layers(c))):
-    tensors = act_model.layer_tensors(c, shapes, moe, int(tokens * c.num_experts_per_tok), "temoe")
+    tensors = act_model.layer_tensors(c, shapes, moe, int(tokens * c.num_experts_per_tok), job.backend)
     total += count * sum(t.elements for t in tensors if act_model.kept(policy, t, c) == "host") * act
   moved = 2 * total
   seconds = moved / (gpu.host_gbps * 1e9 * LINK_EFFICIENCY["host"])
