@@ -17,6 +17,9 @@ FAULTS = {  # name -> (what happens, exit code, excerpts of the last line (in or
                   ("the train state after step ", " has NaN/Inf values (in ",
                    "so it was not checkpointed; the latest checkpoint (step {good}) is the last good one"),
                   "e2e/test_failures.py"),
+    "NaN loss": ("learning_rate=1e30, checkpointing off: MaxText's abort_on_nan_loss", exits.NEEDS_PERSON,
+                 ("training stopped at step ", ": the loss is nan (MaxText's abort_on_nan_loss); no checkpoint "
+                  "(checkpointing is off)"), "e2e/test_failures.py"),
     "full disk": ("a checkpoint fills the filesystem", exits.NEEDS_PERSON,
                   ("the checkpoint of step ", ": No space left on device; nothing of it is listed as a step (the latest "
                    "committed one is step 0)"), "e2e/test_failures.py"),
@@ -35,15 +38,15 @@ FAULTS = {  # name -> (what happens, exit code, excerpts of the last line (in or
         "a requeue of a run whose last step is checkpointed", exits.DONE,
         "has finished: its latest checkpoint is step 5, the last of steps=6; nothing to do", "e2e/test_reliability.py"),
     "flipped bytes, no checksum records": (
-        "the latest step's largest chunk has 4 KiB inverted, no temoe-checksums/", exits.NEEDS_PERSON,
-        ("cannot be restored: it restored with NaN/Inf in ", "; the newest earlier step that restores finite is 0: "
+        "4 KiB inverted in a chunk of the latest step where it decodes to a NaN/Inf, no temoe-checksums/", exits.NEEDS_PERSON,
+        ("cannot be restored: it restored with NaN/Inf in ", "; the newest earlier step that restores intact is 0: "
          "pass te_resume_step=0 to resume from it"), "e2e/test_reliability.py"),
     "chunk overwritten with 0xFF, no checksum records": (
         "half the largest chunk of the latest step overwritten with 0xFF", exits.NEEDS_PERSON,
         # which damaged entry Tensorstore's parallel reads report first varies: one whose digest fails, or one
         # whose compressed frame starts inside the 0xFF (both name the damage)
         ("cannot be restored: ValueError: ", ("DATA_LOSS: ", "FAILED_PRECONDITION: "),
-         ("Digest mismatch", "ZSTD_decompressStream() failed"), "the newest earlier step that restores finite is 0"),
+         ("Digest mismatch", "ZSTD_decompressStream() failed"), "the newest earlier step that restores intact is 0"),
         "e2e/test_reliability.py"),
     "another model shape": (
         "resumed with base_moe_mlp_dim=48 instead of 32", exits.NEEDS_PERSON,

@@ -54,6 +54,15 @@ def test_a_nan_state_is_never_checkpointed(tmp_path, smoke_data):
   assert f"after step {good[-1]} " not in last
 
 
+def test_a_nan_loss_is_a_stop_that_needs_a_person_not_a_bug(tmp_path, smoke_data):
+  """MaxText's abort_on_nan_loss exits 1 (a bug, by temoe's codes) with an INFO line; temoe says which step."""
+  rc, log = runs.finish(runs.start(tmp_path, smoke_data, "run", "nanloss.jsonl", "steps=6", "enable_checkpointing=false",
+                                   "learning_rate=1e30", "warmup_steps_fraction=0", "enable_tensorboard=false"),
+                        tmp_path, "nanloss.jsonl")
+  faults.check("NaN loss", rc, log)
+  assert "Aborting training due to NaN loss" in log  # MaxText's own abort, not some other path
+
+
 @pytest.fixture
 def small_filesystem(tmp_path):
   """A 6 MiB tmpfs: room for one smoke checkpoint (3.5 MiB) and not two. Needs root (CI runs as root)."""

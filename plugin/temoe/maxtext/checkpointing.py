@@ -14,9 +14,11 @@ the first step. Wrapped:
   background commit, stops the run with one line; Orbax commits a step by renaming its
   temporary directory, so nothing half-written is ever listed as a step.
 - A restore of this run's checkpoint that fails (a digest mismatch, an unreadable chunk, a
-  parameter of another shape) or yields a NaN/Inf parameter (flipped bytes with no checksum
-  records to catch them) stops the run before the first step, naming the step, the path, the
-  cause and the newest earlier step that restores finite (`te_resume_step=N` resumes from it).
+  parameter of another shape) or yields values no saved state holds (flipped bytes with no
+  checksum records to catch them: a NaN/Inf anywhere, or a negative Adam second moment, which
+  would turn the next step NaN) stops the run before the first step, naming the step, the path,
+  the cause and the newest earlier step that restores intact (`te_resume_step=N` resumes from
+  it). Damage that decodes to plausible finite values is caught only by the checksum records.
 """
 
 from __future__ import annotations
@@ -119,25 +121,46 @@ def record_committed(checkpoint_dir: str, wait: bool = False) -> None:
       _hashing.pop(0).result()
 
 
-def nonfinite_leaves(tree, limit: int = 3) -> list[str]:
-  """Paths (a/b/c) of the first `limit` floating leaves of `tree` holding a NaN or Inf."""
+SECOND_MOMENT = "nu"
+"""optax's name for Adam's second moment (adam, adamw, lamb, ...): a running mean of squares, never below 0."""
+
+
+def impossible_values(tree, limit: int = 3) -> str | None:
+  """What in a restored train state no save could have written, or None: the paths (a/b/c) of the first
+  `limit` floating leaves holding a NaN/Inf, and of those under opt_state holding a negative second moment."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  leaves = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  leaves = [(path_name(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
             if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.inexact)]
   if not leaves:
-    return []
-  flags = jax.device_get(_leaves_finite_fn()(tuple(leaf for _, leaf in leaves)))
-  return [path_name(path) for (path, _), ok in zip(leaves, flags) if not ok][:limit]
+    return None
+  moments = tuple(is_second_moment(name) for name, _ in leaves)
+  finite, nonnegative = jax.device_get(_leaves_check_fn(moments)(tuple(leaf for _, leaf in leaves)))
+  nonfinite = [name for (name, _), ok in zip(leaves, finite) if not ok][:limit]
+  negative = [name for (name, _), ok, is_moment in zip(leaves, nonnegative, moments) if is_moment and not ok][:limit]
+  found = ([f"NaN/Inf in {', '.join(nonfinite)}"] if nonfinite else []) + (
+      [f"a negative Adam second moment in {', '.join(negative)}"] if negative else [])
+  return " and ".join(found) or None
+
+
+def is_second_moment(name: str) -> bool:
+  parts = name.split("/")
+  return "opt_state" in parts and SECOND_MOMENT in parts
 
 
 @functools.cache
-def _leaves_finite_fn():
+def _leaves_check_fn(moments: tuple[bool, ...]):
+  """One jitted pass: per leaf, (all finite, all >= 0 where it is a second moment)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  return jax.jit(lambda leaves: jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  def check(leaves):
+    finite = jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+    nonnegative = jnp.stack([jnp.all(x >= 0) if moment else jnp.bool_(True) for x, moment in zip(leaves, moments)])
+    return finite, nonnegative
+
+  return jax.jit(check)
 
 
 def path_name(path) -> str:
@@ -160,9 +183,9 @@ def restore_failed(manager, step: int, cause: str, verify, transient: bool = Fal
       good = earlier
       break
   if good is None:
-    what = "no earlier step restores finite: pass a new run_name to start afresh"
+    what = "no earlier step restores intact: pass a new run_name to start afresh"
   else:
-    what = (f"the newest earlier step that restores finite is {good}: pass te_resume_step={good} to resume from it "
+    what = (f"the newest earlier step that restores intact is {good}: pass te_resume_step={good} to resume from it "
             f"(later steps are moved to {preflight.SET_ASIDE}/), or a new run_name to start afresh")
   code = exits.REQUEUE if transient else exits.NEEDS_PERSON
   return RestoreFailed(f"the checkpoint of step {step} at {directory.rstrip('/')}/{step}, which this run would resume "
@@ -170,7 +193,7 @@ def restore_failed(manager, step: int, cause: str, verify, transient: bool = Fal
 
 
 VERIFY_EARLIER = 3
-"""Earlier steps restored in full (newest first) to find one that restores finite, at most."""
+"""Earlier steps restored in full (newest first) to find one that restores intact, at most."""
 
 
 def shape_mismatch(directory: str, step: int, target) -> str | None:
@@ -200,8 +223,8 @@ def shape_mismatch(directory: str, step: int, target) -> str | None:
 
 
 def install_restore(checkpointing) -> None:
-  """Wraps MaxText's load_state_if_possible: a restore of this run's checkpoint that fails or yields a
-  NaN/Inf stops before the first step with one line."""
+  """Wraps MaxText's load_state_if_possible: a restore of this run's checkpoint that fails or yields
+  impossible values stops before the first step with one line."""
   original_load = checkpointing.load_state_if_possible
 
   @functools.wraps(original_load)
@@ -213,13 +236,12 @@ def install_restore(checkpointing) -> None:
       return original_load(checkpoint_manager, data_iterator, *args, **kwargs)
 
     def verify(earlier: int) -> str | None:
-      """Why step `earlier` does not restore finite (its Grain iterator left alone), or None."""
+      """Why step `earlier` does not restore intact (its Grain iterator left alone), or None."""
       try:
         restored, _ = original_load(checkpoint_manager, None, *args, **{**kwargs, "step": earlier})
       except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
         return first_line(root_cause(exc))
-      bad = nonfinite_leaves(restored.get("items") if isinstance(restored, dict) else restored)
-      return f"NaN/Inf in {', '.join(bad)}" if bad else None
+      return impossible_values(restored.get("items") if isinstance(restored, dict) else restored)
 
     try:
       restored, params = original_load(checkpoint_manager, data_iterator, *args, **kwargs)
@@ -232,10 +254,10 @@ def install_restore(checkpointing) -> None:
                             "resume with the settings the run was started with.") from exc
       raise restore_failed(checkpoint_manager, step, first_line(root_cause(exc)), verify,
                            failures.is_transient(exc)) from exc
-    bad = nonfinite_leaves(restored.get("items") if isinstance(restored, dict) else restored)
+    bad = impossible_values(restored.get("items") if isinstance(restored, dict) else restored)
     if bad:
-      cause = (f"it restored with NaN/Inf in {', '.join(bad)} (its files changed after the save, or it was saved "
-               "so by a run without temoe's finite check)")
+      cause = (f"it restored with {bad} (its files changed after the save, or it was saved so by a run without "
+               "temoe's finite check)")
       raise restore_failed(checkpoint_manager, step, cause, verify)
     return restored, params
 

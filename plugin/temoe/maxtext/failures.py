@@ -18,6 +18,10 @@ Four MaxText 0.2.5 functions decide how failures and stops look:
   compile: from there on a signal stops the run after a step (`preemption.training_starts`).
 - `pyconfig._handle_config_exception`: logs a five-line error block (and exits 2 outside
   tests) before anyone can print the error once; replaced by a plain re-raise.
+- `metric_logger.MetricLogger.write_metrics`: with abort_on_nan_loss / abort_on_inf_loss (on by
+  default) MaxText logs one INFO line and calls sys.exit(1), temoe's code for a bug, when a
+  step's loss is written; wrapped, that exit becomes `TrainingStopped` naming the step, the loss
+  and the latest checkpoint (never a NaN one: `temoe.maxtext.checkpointing` refuses to save it).
 
 `progress` tells the CLI the step any other exception happened at.
 """
@@ -113,11 +117,32 @@ def preempted(jax_device_state: dict, python_vars: dict, immutable_data: dict) -
       f"Exit {exits.REQUEUE} (requeue): the same run_name resumes from it.", exits.REQUEUE)
 
 
+def loss_stopped(metrics: dict, step: int, config) -> TrainingStopped | None:
+  """The TrainingStopped for MaxText's abort on a NaN/Inf loss in `metrics` (step `step`), or None when
+  its loss is finite (some other sys.exit)."""
+  import math  # pylint: disable=import-outside-toplevel
+
+  loss = float((metrics.get("scalar") or {}).get("learning/loss", 0.0))
+  if math.isfinite(loss):
+    return None
+  from temoe.maxtext import checkpointing  # pylint: disable=import-outside-toplevel
+
+  steps = progress.get("steps", getattr(config, "steps", "?"))
+  if getattr(config, "enable_checkpointing", False):
+    kept = (f"the latest checkpoint ({checkpointing.latest(config.checkpoint_dir)}) is finite: lower learning_rate or "
+            "fix the data, then rerun with the same run_name to resume from it (te_resume_step=N for an earlier one)")
+  else:
+    kept = "no checkpoint (checkpointing is off): lower learning_rate or fix the data, then rerun"
+  flag = "abort_on_nan_loss" if math.isnan(loss) else "abort_on_inf_loss"
+  return TrainingStopped(f"training stopped at step {step} of {steps}: the loss is {loss} (MaxText's {flag}); {kept}.")
+
+
 def install_train_loop() -> None:
-  """Wraps MaxText's training_loop_iteration, get_first_step and reached_preemption (once)."""
+  """Wraps MaxText's training_loop_iteration, get_first_step, reached_preemption and
+  MetricLogger.write_metrics (once)."""
   if "iteration" in _installed:
     return
-  from maxtext.common import checkpointing  # pylint: disable=import-outside-toplevel
+  from maxtext.common import checkpointing, metric_logger  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train  # pylint: disable=import-outside-toplevel
   from maxtext.utils import exceptions  # pylint: disable=import-outside-toplevel
 
@@ -151,10 +176,24 @@ def install_train_loop() -> None:
     del checkpoint_manager, step
     return False
 
-  _installed.update(iteration=original, first_step=original_first_step, reached=checkpointing.reached_preemption)
+  original_write = metric_logger.MetricLogger.write_metrics
+
+  @functools.wraps(original_write)
+  def write_metrics(self, metrics, step, metric_type="train"):
+    try:
+      return original_write(self, metrics, step, metric_type)
+    except SystemExit as exc:
+      failure = loss_stopped(metrics, int(step), self.config) if metric_type == "train" and metrics else None
+      if failure is None:
+        raise
+      raise failure from exc
+
+  _installed.update(iteration=original, first_step=original_first_step, reached=checkpointing.reached_preemption,
+                    write_metrics=original_write)
   train.training_loop_iteration = training_loop_iteration
   train.get_first_step = get_first_step
   checkpointing.reached_preemption = reached_preemption
+  metric_logger.MetricLogger.write_metrics = write_metrics
 
 
 def install_quiet_config_errors() -> None:
@@ -183,6 +222,10 @@ def missing_seams() -> list[str]:
 
   if not callable(getattr(checkpointing, "reached_preemption", None)):
     missing.append("checkpointing.reached_preemption")
+  from maxtext.common import metric_logger  # pylint: disable=import-outside-toplevel
+
+  if not callable(getattr(getattr(metric_logger, "MetricLogger", None), "write_metrics", None)):
+    missing.append("metric_logger.MetricLogger.write_metrics")
   if not isinstance(getattr(exceptions, "StopTraining", None), type):
     missing.append("exceptions.StopTraining")
   return missing
