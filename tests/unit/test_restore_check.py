@@ -54,10 +54,11 @@ CONFIG = types.SimpleNamespace(steps=8, enable_checkpointing=False, checkpoint_d
 
 
 @pytest.mark.parametrize("loss,flag", [(float("nan"), "abort_on_nan_loss"), (float("inf"), "abort_on_inf_loss")])
-def test_a_nonfinite_loss_becomes_a_stop_naming_the_step(loss, flag):
+def test_a_nonfinite_loss_becomes_a_stop_naming_the_step(loss, flag, monkeypatch):
+  monkeypatch.setattr(failures, "progress", {})  # not inside a run: steps from the config
   stop = failures.loss_stopped({"scalar": {"learning/loss": loss}}, 7, CONFIG)
   assert stop.exit_code == 2
-  assert str(stop).startswith(f"training stopped at step 7 of ") and f"(MaxText's {flag}); no checkpoint" in str(stop)
+  assert str(stop).startswith("training stopped at step 7 of 8: ") and f"(MaxText's {flag}); no checkpoint" in str(stop)
 
 
 def test_a_finite_loss_is_some_other_exit():
