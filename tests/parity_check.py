@@ -3,7 +3,7 @@
 Same config but for `te_moe_block`, same seed, so both layers hold the same parameters; fresh
 random inputs each call. `CASES` is the parity matrix: MaxText's routed-MoE model families at
 tiny dims, routed-only (`RoutedMoE`) and with shared experts (`RoutedAndSharedMoE`) where the
-family has them, plus skewed routing (one expert takes nearly all tokens, others none).
+family has them, plus skewed routing (one expert takes every token, two none).
 `python parity_check.py CASE[,CASE...] [key=value ...] [--native key=value ...]` prints one
 comparison per case as JSON (the multi-device tests run it in a process with several host devices).
 """
