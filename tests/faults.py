@@ -20,6 +20,13 @@ FAULTS = {  # name -> (what happens, exit code, excerpts of the last line (in or
     "NaN loss": ("learning_rate=1e30, checkpointing off: MaxText's abort_on_nan_loss", exits.NEEDS_PERSON,
                  ("training stopped at step ", ": the loss is nan (MaxText's abort_on_nan_loss); no checkpoint "
                   "(checkpointing is off)"), "e2e/test_failures.py"),
+    "run held by another temoe train": (
+        "process 0 of a jax.distributed pair finds the run lock held by a live process", exits.NEEDS_PERSON,
+        ("is in use by another temoe train (pid ",), "e2e/test_preflight_agreement.py"),
+    "a peer's preflight failed": (
+        "process 1 of that pair, whose own preflight passed", exits.NEEDS_PERSON,
+        ("process 0 of 2 stopped before training: ", "is in use by another temoe train (pid "),
+        "e2e/test_preflight_agreement.py"),
     "full disk": ("a checkpoint fills the filesystem", exits.NEEDS_PERSON,
                   ("the checkpoint of step ", ": No space left on device; nothing of it is listed as a step (the latest "
                    "committed one is step 0)"), "e2e/test_failures.py"),

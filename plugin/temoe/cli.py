@@ -131,16 +131,17 @@ def run_training(maxtext_args: list[str]) -> int:
     config = preflight.check(maxtext_args, lock_run=True)  # values, data, disk, lock, latest checkpoint: before compiling
     batches.install(config)  # every batch's token ids, on the host
   except preflight.RunFinished as exc:
-    preflight.release()
-    print(f"temoe: {exc}", file=sys.stderr)
-    return exits.DONE
+    return stop_before_training(str(exc), exits.DONE, distributed.FINISHED)
   except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
-    preflight.release()
     message = config_error_message(exc)
     if message is None:
       oneline.print_traceback(exc)
-    print(f"temoe: {message or oneline.first_line(exc)}", file=sys.stderr)
-    return exits.NEEDS_PERSON
+    return stop_before_training(message or oneline.first_line(exc), exits.NEEDS_PERSON, distributed.FAILED)
+  try:
+    distributed.agree_before_training(distributed.OK)  # a jax.distributed job: every process's preflight passed
+  except distributed.PeerStopped as exc:
+    code = exits.DONE if exc.kind == distributed.FINISHED else exits.NEEDS_PERSON
+    return stop_before_training(str(exc), exits.REQUEUE if isinstance(exc, distributed.PeerLost) else code)
   oneline.quiet_background_errors()
   try:
     from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
@@ -167,6 +168,26 @@ def run_training(maxtext_args: list[str]) -> int:
   finally:
     preflight.release()
   return exits.DONE
+
+
+def stop_before_training(line: str, code: int, kind: str | None = None) -> int:
+  """Ends a `temoe train` before MaxText trains: the run lock released, one line, and (`kind` given: this
+  process's own preflight ended so) its peers told; without a coordinator left to say goodbye to, exits at
+  once (jax.distributed's shutdown would wait for a lost peer, then abort)."""
+  from temoe.run import distributed, preflight  # pylint: disable=import-outside-toplevel
+
+  preflight.release()
+  print(f"temoe: {line}", file=sys.stderr, flush=True)
+  lost = False
+  if kind is not None:
+    try:
+      distributed.agree_before_training(kind, line)
+    except distributed.PeerLost:
+      lost = True
+  if lost or code == exits.REQUEUE:
+    sys.stdout.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  return code
 
 
 def usage() -> str:

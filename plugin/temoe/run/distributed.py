@@ -42,3 +42,58 @@ def maybe_initialize(environ=os.environ) -> bool:
       flush=True,
   )
   return True
+
+
+AGREE_TIMEOUT_S = 1200
+"""How long a process waits for its peers' preflights (each reads the data and the latest checkpoint)."""
+OK, FINISHED, FAILED = "ok", "finished", "failed"
+
+
+class PeerStopped(Exception):
+  """Another process of the job stopped before training; the message is the one line to print."""
+
+  def __init__(self, message: str, kind: str):
+    super().__init__(message)
+    self.kind = kind
+
+
+class PeerLost(PeerStopped):
+  """A peer never reported its preflight (it died, or hangs): a requeue may find it back."""
+
+
+def agree_before_training(kind: str, line: str = "") -> None:
+  """Every process of a jax.distributed job says how its preflight ended (`kind`: OK, FINISHED or FAILED,
+  with its one line) and waits for all the others. A process whose own preflight passed raises
+  PeerStopped naming the first peer that failed (or, none failing, that found the run finished), so
+  the whole job stops before training with one line per process; without this, the peers of a
+  failed process start MaxText and wait in its first collective until the heartbeat timeout aborts
+  them all. Raises PeerLost if a peer does not report within AGREE_TIMEOUT_S. No-op in one process."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel  # the coordination service's key-value store
+
+  client = distributed.global_state.client
+  if client is None or jax.process_count() < 2:
+    return
+  me, count = jax.process_index(), jax.process_count()
+  client.key_value_set(f"temoe/preflight/{me}", f"{kind}\n{line}")
+  try:
+    client.wait_at_barrier("temoe_preflight", AGREE_TIMEOUT_S * 1000)
+  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    reported = {int(key.rsplit("/", 1)[-1]) for key, _ in _try_dir(client)}
+    missing = [str(p) for p in range(count) if p not in reported] or ["?"]
+    raise PeerLost(f"process(es) {', '.join(missing)} of {count} did not finish the preflight within "
+                   f"{AGREE_TIMEOUT_S} s ({type(exc).__name__}); a requeue starts the job again", FAILED) from exc
+  if kind != OK:
+    return  # this process says its own line
+  outcomes = sorted((int(key.rsplit("/", 1)[-1]), *value.split("\n", 1)) for key, value in _try_dir(client))
+  for wanted in (FAILED, FINISHED):
+    for process, their_kind, their_line in outcomes:
+      if their_kind == wanted and process != me:
+        raise PeerStopped(f"process {process} of {count} stopped before training: {their_line}", wanted)
+
+
+def _try_dir(client) -> list[tuple[str, str]]:
+  try:
+    return client.key_value_dir_get("temoe/preflight/")
+  except Exception:  # noqa: BLE001  # pylint: disable=broad-exception-caught
+    return []
