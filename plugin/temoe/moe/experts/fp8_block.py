@@ -43,10 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from temoe.moe.experts import quantizers
+
 E4M3 = jnp.float8_e4m3fn
 FMAX = 448.0
 BLOCK = 128
-IMPLS = ("auto", "xla", "triton")
+IMPLS = quantizers.IMPLS
 DEFAULT_IMPL = "auto"  # triton on a GPU where the shape is whole 128 x 128 tiles, xla elsewhere
 # Triton warps per 128 x 128 tile, measured on the H200 over the dsv3 layer's operands
 # (bench/results/fp8_block.json: 4 / 8 / 16 warps): 4 for activations (x 1.33 ms at 1.53 TB/s,
@@ -211,16 +213,8 @@ def _quantize_weights_triton(w, pow2):
 
 def resolve(impl: str | None, *dims: int) -> str:
   """The implementation `impl` names for an operand with these dims ("auto": triton on a GPU when
-  every dim is a multiple of 128, xla otherwise)."""
-  impl = impl or DEFAULT_IMPL
-  if impl not in IMPLS:
-    raise ValueError(f"fp8_block impl {impl!r}: choose one of {', '.join(IMPLS)}")
-  if impl == "auto":
-    whole = all(d % BLOCK == 0 for d in dims)
-    return "triton" if jax.default_backend() == "gpu" and whole else "xla"
-  if impl == "triton" and any(d % BLOCK for d in dims):
-    raise ValueError(f"fp8_block triton kernels need dims that are multiples of {BLOCK}, got {dims}")
-  return impl
+  every dim is a multiple of 128, xla otherwise): `quantizers.resolve`."""
+  return quantizers.resolve(impl or DEFAULT_IMPL, "fp8_block", dims, (BLOCK,) * len(dims))
 
 
 def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
