@@ -32,11 +32,12 @@ train: venv
 
 # One pytest worker per core, at most 4 (each worker compiles JAX programs and starts training processes);
 # --dist loadfile keeps a file's tests, and its module fixtures, on one worker.
+# --durations lists the 15 slowest tests, to keep the suite inside its time budget.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 test: venv
 	$(VENV)/bin/ruff check plugin tests bench
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
