@@ -140,8 +140,7 @@ def run_training(maxtext_args: list[str]) -> int:
   try:
     distributed.agree_before_training(distributed.OK)  # a jax.distributed job: every process's preflight passed
   except distributed.PeerStopped as exc:
-    code = exits.DONE if exc.kind == distributed.FINISHED else exits.NEEDS_PERSON
-    return stop_before_training(str(exc), exits.REQUEUE if isinstance(exc, distributed.PeerLost) else code)
+    return stop_before_training(str(exc), exits.DONE if exc.kind == distributed.FINISHED else exits.NEEDS_PERSON)
   oneline.quiet_background_errors()
   try:
     from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
@@ -172,21 +171,13 @@ def run_training(maxtext_args: list[str]) -> int:
 
 def stop_before_training(line: str, code: int, kind: str | None = None) -> int:
   """Ends a `temoe train` before MaxText trains: the run lock released, one line, and (`kind` given: this
-  process's own preflight ended so) its peers told; without a coordinator left to say goodbye to, exits at
-  once (jax.distributed's shutdown would wait for a lost peer, then abort)."""
+  process's own preflight ended so) its peers told."""
   from temoe.run import distributed, preflight  # pylint: disable=import-outside-toplevel
 
   preflight.release()
   print(f"temoe: {line}", file=sys.stderr, flush=True)
-  lost = False
   if kind is not None:
-    try:
-      distributed.agree_before_training(kind, line)
-    except distributed.PeerLost:
-      lost = True
-  if lost or code == exits.REQUEUE:
-    sys.stdout.flush()
-    os._exit(code)  # pylint: disable=protected-access
+    distributed.agree_before_training(kind, line)
   return code
 
 

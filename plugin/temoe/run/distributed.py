@@ -44,9 +44,10 @@ def maybe_initialize(environ=os.environ) -> bool:
   return True
 
 
-AGREE_TIMEOUT_S = 1200
-"""How long a process waits for its peers' preflights (each reads the data and the latest checkpoint)."""
 OK, FINISHED, FAILED = "ok", "finished", "failed"
+KINDS = (OK, FINISHED, FAILED)
+LINE_BYTES = 4096
+"""How much of a process's one line its peers get (UTF-8, cut with '...' past that)."""
 
 
 class PeerStopped(Exception):
@@ -57,43 +58,43 @@ class PeerStopped(Exception):
     self.kind = kind
 
 
-class PeerLost(PeerStopped):
-  """A peer never reported its preflight (it died, or hangs): a requeue may find it back."""
-
-
 def agree_before_training(kind: str, line: str = "") -> None:
   """Every process of a jax.distributed job says how its preflight ended (`kind`: OK, FINISHED or FAILED,
-  with its one line) and waits for all the others. A process whose own preflight passed raises
-  PeerStopped naming the first peer that failed (or, none failing, that found the run finished), so
-  the whole job stops before training with one line per process; without this, the peers of a
-  failed process start MaxText and wait in its first collective until the heartbeat timeout aborts
-  them all. Raises PeerLost if a peer does not report within AGREE_TIMEOUT_S. No-op in one process."""
+  with its one line) and hears the others': one all-gather of a fixed-size record per process
+  (`multihost_utils.process_allgather`). A process whose own preflight passed raises PeerStopped
+  naming the first peer that failed (or, none failing, that found the run finished), so the whole
+  job stops before training with one line per process; without this, the peers of a failed process
+  start MaxText and wait in its first collective until JAX's heartbeat timeout aborts them all (which
+  is still what happens when a peer dies before it reports). No-op in one process."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jax._src import distributed  # pylint: disable=import-outside-toplevel  # the coordination service's key-value store
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
 
-  client = distributed.global_state.client
-  if client is None or jax.process_count() < 2:
+  if not jax.distributed.is_initialized() or jax.process_count() < 2:
     return
-  me, count = jax.process_index(), jax.process_count()
-  client.key_value_set(f"temoe/preflight/{me}", f"{kind}\n{line}")
-  try:
-    client.wait_at_barrier("temoe_preflight", AGREE_TIMEOUT_S * 1000)
-  except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
-    reported = {int(key.rsplit("/", 1)[-1]) for key, _ in _try_dir(client)}
-    missing = [str(p) for p in range(count) if p not in reported] or ["?"]
-    raise PeerLost(f"process(es) {', '.join(missing)} of {count} did not finish the preflight within "
-                   f"{AGREE_TIMEOUT_S} s ({type(exc).__name__}); a requeue starts the job again", FAILED) from exc
+  records = np.asarray(multihost_utils.process_allgather(encode(kind, line)))
   if kind != OK:
     return  # this process says its own line
-  outcomes = sorted((int(key.rsplit("/", 1)[-1]), *value.split("\n", 1)) for key, value in _try_dir(client))
+  me, count = jax.process_index(), jax.process_count()
+  outcomes = [decode(record) for record in records]
   for wanted in (FAILED, FINISHED):
-    for process, their_kind, their_line in outcomes:
+    for process, (their_kind, their_line) in enumerate(outcomes):
       if their_kind == wanted and process != me:
         raise PeerStopped(f"process {process} of {count} stopped before training: {their_line}", wanted)
 
 
-def _try_dir(client) -> list[tuple[str, str]]:
-  try:
-    return client.key_value_dir_get("temoe/preflight/")
-  except Exception:  # noqa: BLE001  # pylint: disable=broad-exception-caught
-    return []
+def encode(kind: str, line: str):
+  """(LINE_BYTES + 1,) uint8: the kind's index, then the line in UTF-8, zero-padded."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+
+  data = line.encode("utf-8")
+  if len(data) > LINE_BYTES:
+    data = data[:LINE_BYTES - 3].decode("utf-8", "ignore").encode("utf-8") + b"..."
+  record = np.zeros(LINE_BYTES + 1, np.uint8)
+  record[0] = KINDS.index(kind)
+  record[1:1 + len(data)] = np.frombuffer(data, np.uint8)
+  return record
+
+
+def decode(record) -> tuple[str, str]:
+  return KINDS[int(record[0])], bytes(record[1:]).rstrip(b"\0").decode("utf-8", "replace")
