@@ -67,10 +67,10 @@ CORRUPTIONS = {  # name -> (damage to the latest step directory, text of the err
 }
 
 
-def flip(path: pathlib.Path, count: int) -> None:
-  """Inverts `count` bytes in the middle of the file; its size stays the same."""
+def flip(path: pathlib.Path, count: int, at: float = 0.5) -> None:
+  """Inverts `count` bytes centred at fraction `at` of the file (its middle by default); its size stays the same."""
   with open(path, "r+b") as f:
-    f.seek(max(path.stat().st_size // 2 - count // 2, 0))
+    f.seek(max(int(path.stat().st_size * at) - count // 2, 0))
     chunk = f.read(count)
     f.seek(-len(chunk), 1)
     f.write(bytes(b ^ 0xFF for b in chunk))
@@ -174,11 +174,9 @@ def flip_to_nonfinite(step: pathlib.Path) -> None:
   case, and a negative second moment is checked in tests/unit/test_restore_check.py)."""
   files = sorted((p for p in (step / "items").rglob("d/*") if p.is_file()), key=lambda p: -p.stat().st_size)[:3]
   for path in files:
-    for where in (0.5, 0.25, 0.75):
-      original = path.read_bytes()
-      with open(path, "r+b") as f:
-        f.seek(int(len(original) * where) - 2048)
-        f.write(bytes(b ^ 0xFF for b in original[int(len(original) * where) - 2048:int(len(original) * where) + 2048]))
+    original = path.read_bytes()
+    for at in (0.5, 0.25, 0.75):
+      flip(path, 4096, at)
       if restores_nonfinite(step):
         return
       path.write_bytes(original)

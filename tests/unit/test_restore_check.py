@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -15,14 +16,8 @@ from temoe.maxtext import checkpointing, failures
 def adam_state(nu_value: float = 1e-4, param_value: float = 0.5):
   params = {"decoder": {"wi": jnp.full((4, 8), param_value), "norm": jnp.ones(8)}}
   opt_state = optax.adamw(1e-3).init(params)
-  adam = opt_state[0]._replace(nu=jax_tree_fill(opt_state[0].nu, nu_value))
+  adam = opt_state[0]._replace(nu=jax.tree_util.tree_map(lambda x: jnp.full_like(x, nu_value), opt_state[0].nu))
   return {"params": params, "opt_state": (adam, *opt_state[1:]), "step": jnp.int32(5)}
-
-
-def jax_tree_fill(tree, value):
-  import jax  # pylint: disable=import-outside-toplevel
-
-  return jax.tree_util.tree_map(lambda x: jnp.full_like(x, value), tree)
 
 
 def test_an_intact_state_passes():
