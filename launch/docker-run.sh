@@ -34,7 +34,7 @@ shift
 restarts=0
 stopping=0
 pid=
-trap 'stopping=1; interrupted=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null' TERM INT
+trap 'stopping=1; interrupted=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
 while :; do
   docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" &
   pid=$!

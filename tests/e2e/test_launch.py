@@ -217,6 +217,16 @@ def test_docker_run_sh_starts_a_requeued_run_again_up_to_its_bound(recorder):
   assert rc == exits.REQUEUE and len(calls) == 1
 
 
+def test_docker_run_sh_survives_its_signal_trap_when_docker_is_already_gone():
+  """A group's SIGTERM reaches docker and the script together; docker may exit and be reaped before the
+  trap's kill runs. Under the script's `set -e` that failed kill must not end it (it exited 1, not 75)."""
+  script = (ROOT / "launch" / "docker-run.sh").read_text()
+  trap = next(line for line in script.splitlines() if line.startswith("trap "))
+  body = f"set -euo pipefail\npid=999999999\n{trap}\nkill -TERM $$\necho after-the-trap\n"  # no such pid: kill fails
+  proc = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=30)
+  assert proc.returncode == 0 and proc.stdout.strip() == "after-the-trap", proc
+
+
 def test_launchers_render_from_the_top_level_launch_folder():
   assert launch.TEMPLATES.resolve() == ROOT / "launch"  # plugin/temoe/deploy/templates links to it
   assert {"sbatch.sh.j2", "jobset.yaml.j2", launch.DOCKER_RUN, "README.md"} <= {p.name for p in launch.TEMPLATES.iterdir()}
