@@ -149,6 +149,7 @@ def run_training(maxtext_args: list[str]) -> int:
   except SystemExit as exc:
     code = int(exc.code or 0) if not isinstance(exc.code, str) else exits.FAILED
     if code:
+      oneline.quiet_after_last_line()
       print(f"temoe: training exited with code {code}{': ' + exc.code if isinstance(exc.code, str) else ''}",
             file=sys.stderr)
     return code
@@ -158,6 +159,7 @@ def run_training(maxtext_args: list[str]) -> int:
     oneline.print_traceback(exc)
     if unknown:
       line += f" ({oneline.DEBUG_HINT})"
+    oneline.quiet_after_last_line()
     print(f"temoe: {line}", file=sys.stderr, flush=True)
     if lost_peer(exc):  # jax.distributed's shutdown at exit would wait for the lost peer, then abort
       preflight.release()

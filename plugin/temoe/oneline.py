@@ -65,6 +65,19 @@ def quiet_background_errors() -> None:
   logging.setLogRecordFactory(record_without_traceback)
 
 
+def quiet_after_last_line() -> None:
+  """Unless tracebacks are wanted: nothing is logged after temoe's last line. A failed run's threads and
+  pending asyncio tasks (Orbax's commit, TensorStore writes) log the same failure again as they are
+  collected at exit ("Task exception was never retrieved"); the line already said it."""
+  if debug():
+    return
+  import gc  # pylint: disable=import-outside-toplevel
+  import logging  # pylint: disable=import-outside-toplevel
+
+  gc.collect()  # what is unreachable already logs now, before the line
+  logging.disable(logging.CRITICAL)
+
+
 def print_traceback(exc: BaseException) -> None:
   """The traceback of `exc`, when tracebacks are wanted."""
   if debug():

@@ -79,3 +79,31 @@ def test_a_lost_peer_is_requeued_and_an_unknown_error_is_not():
   assert code == exits.FAILED and unknown and line.endswith("ZeroDivisionError: division by zero")
   line, code, _ = cli.training_failure(OSError(28, "No space left on device", "/ckpt"))
   assert code == exits.NEEDS_PERSON and "a write failed (No space left on device: /ckpt)" in line
+
+
+TASK_LOGS_AT_EXIT = """
+import asyncio, logging, sys
+from temoe import oneline
+logging.basicConfig(stream=sys.stderr)
+async def write():
+  raise OSError(28, "No space left on device")
+loop = asyncio.new_event_loop()
+task = loop.create_task(write())
+loop.run_until_complete(asyncio.sleep(0.01))  # done, its exception never retrieved, still referenced
+if sys.argv[1] == "quiet":
+  oneline.quiet_after_last_line()
+print("temoe: the checkpoint could not be written", file=sys.stderr, flush=True)
+del task, loop  # collected after the line, as Orbax's pending writes are at exit
+"""
+
+
+def test_nothing_is_logged_after_the_last_line(tmp_path):
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  env = {k: v for k, v in os.environ.items() if k != "TEMOE_DEBUG"}
+  run = lambda mode: subprocess.run([sys.executable, "-c", TASK_LOGS_AT_EXIT, mode], capture_output=True,
+                                    text=True, env=env, check=True).stderr.strip().splitlines()
+  assert "Task exception was never retrieved" in "\n".join(run("loud"))  # the echo this guards against
+  assert run("quiet")[-1] == "temoe: the checkpoint could not be written"
