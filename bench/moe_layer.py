@@ -7,7 +7,8 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
   gpt_oss_like    2880 / 2880 / 128 / 8192 x 4  dims that are not multiples of 128
   small_dsv3      1024 /  512 / 32 / 8192 x 8   the small DeepSeek-V3-shaped model's layer
 Paths per shape, each measured in this process: temoe FP8 with DeepSeek-V3's block scales
-(`temoe_fp8_blockwise`, recipe te_fp8_blockwise), temoe FP8 on its Hopper kernels (`mosaic`, with
+(`temoe_fp8_blockwise`, recipe te_fp8_blockwise; `temoe_fp8_blockwise_fused` with dispatch's gather and
+combine's backward fused into its quantizers: mosaic_tokens), temoe FP8 on its Hopper kernels (`mosaic`, with
 fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
@@ -35,7 +36,7 @@ import plots  # bench/plots.py, beside this file
 from temoe import recipes
 from temoe.moe import block, dispatch
 from temoe.moe.context import MoEContext, swiglu
-from temoe.moe.experts import fp8_quant, parts
+from temoe.moe.experts import fp8_quant, mosaic_tokens, parts
 
 SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
     "dsv3": (7168, 2048, 32, 8192, 8),
@@ -46,6 +47,7 @@ SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
 }
 PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8_blockwise": ("mosaic", "te_fp8_blockwise"),
+    "temoe_fp8_blockwise_fused": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
@@ -53,6 +55,7 @@ PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "tokamax_bf16": ("tokamax", "te_no_quant"),
 }
 QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
+FUSED = {"temoe_fp8_blockwise_fused"}  # mosaic_tokens.FUSED: dispatch's gather and combine's backward quantize
 
 
 def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
@@ -95,26 +98,34 @@ def mlp_of(ctx: MoEContext):
   return tokamax_mlp if ctx.kernel == "tokamax" else block.expert_kernel(ctx.kernel).mlp
 
 
-def layer_fwdbwd(ctx: MoEContext, ids, weights):
+def layer_of(ctx: MoEContext, ids, weights):
+  """layer(x, wi, wo) -> out (tokens, emb): dispatch -> the path's expert MLP -> combine, or the kernel's
+  MLP from tokens where it offers one (block.tokens_mlp: the blockwise recipe with mosaic_tokens.FUSED)."""
   mlp = mlp_of(ctx)
+  none = (None, None, None)
+
+  def layer(x, wi, wo):
+    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
+    fused = None if ctx.kernel == "tokamax" else block.tokens_mlp(ctx, wi, wo, none)
+    if fused:
+      return fused(x, p, weights)
+    return dispatch.combine(mlp(ctx, dispatch.dispatch(x, p, ctx.top_k), p, wi, wo, none, None), p, weights)
+
+  return layer
+
+
+def layer_fwdbwd(ctx: MoEContext, ids, weights):
+  layer = layer_of(ctx, ids, weights)
 
   def loss(x, wi, wo, cot):
-    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
-    y = mlp(ctx, dispatch.dispatch(x, p, ctx.top_k), p, wi, wo, (None, None, None), None)
-    out = dispatch.combine(y, p, weights)
-    return jnp.sum(out.astype(jnp.float32) ** 2 * cot)  # quadratic: every forward GEMM stays live
+    return jnp.sum(layer(x, wi, wo).astype(jnp.float32) ** 2 * cot)  # quadratic: every forward GEMM stays live
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
 def layer_vjp(ctx: MoEContext, ids, weights):
   """(out, dx, dwi, dwo) of the layer for the cotangent `cot`: what the errors compare."""
-  mlp = mlp_of(ctx)
-
-  def layer(x, wi, wo):
-    p = dispatch.plan(ids, ctx.num_experts, ctx.align)
-    y = mlp(ctx, dispatch.dispatch(x, p, ctx.top_k), p, wi, wo, (None, None, None), None)
-    return dispatch.combine(y, p, weights)
+  layer = layer_of(ctx, ids, weights)
 
   def run(x, wi, wo, cot):
     out, vjp = jax.vjp(layer, x, wi, wo)
@@ -228,7 +239,8 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
   for path in paths:
     kernel, recipe = PATHS[path]
     ctx = context(kernel, recipe, experts, top_k)
-    fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # read when the path is traced
+    fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # both read when the path is traced
+    mosaic_tokens.FUSED = path in FUSED
     try:
       fn = layer_fwdbwd(ctx, ids, weights)
       seconds = timed(fn, x, wi, wo, cot, iters=iters)
@@ -253,7 +265,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       out[f"{path}_error"] = error_text(exc)
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
           out.get("errors", {}).get(path), flush=True)
-  fp8_quant.DEFAULT_IMPL = default_quant
+  fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED = default_quant, False
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
   cd = jax.random.normal(kc, (rows, 2 * ffn), jnp.float32)

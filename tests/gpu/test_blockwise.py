@@ -7,7 +7,9 @@ expert takes all; outputs written into NaN-filled buffers; spare rows NaN where 
 * the forward/dgrad and wgrad kernels with block scales against float32 math on exactly the operand
   values they are given (the recipe's numpy model: dequantised E4M3 times its block scales);
 * the Triton quantizers against the XLA expression of the same math (scales bit-equal; FP8 values
-  equal but for rare one-step roundings, since the division is the GPU's);
+  equal but for rare one-step roundings, since the division is the GPU's), the gathering one too;
+* the MLP from tokens with dispatch's gather and combine's backward fused into the quantizers
+  (mosaic_tokens) against the unfused layer: the forward bit-equal, gradients as accurate;
 * grouped_matmul(scaling="blockwise") forward and both gradients against float32 on the bf16
   originals: within the registry's bound and at least as accurate as per-expert current scaling
   on the same inputs; spare rows and empty experts' dw exactly zero;
@@ -108,6 +110,62 @@ def test_triton_quantizers_match_xla(pow2, record_property):
       # scales are a max and one multiply: exact; FP8 values may differ by one step where the GPU's
       # division rounds the other way
       assert differ <= 1e-3, (what, g.shape, differ)
+
+
+def test_triton_gathered_quantizer_matches_xla(record_property):
+  """dispatch's gather and combine's backward fused into the quantizer (mosaic_tokens): rows of x by
+  token index, padding slots zero, optionally times a routing weight."""
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((1000, K)) * 10.0 ** rng.uniform(-3, 3, (1000, 1)), jnp.bfloat16)
+  index = jnp.asarray(np.where(rng.random(ROWS) < 0.1, 1000, rng.integers(0, 1000, ROWS)), jnp.int32)
+  weight = jnp.asarray(rng.random(ROWS), jnp.float32)
+  for wt in (None, weight):
+    for g, e in zip(fb.quantize_gathered(x, index, wt, impl="triton"), fb.quantize_gathered(x, index, wt, impl="xla")):
+      g, e = np.asarray(f32(g)), np.asarray(f32(e))
+      differ = float(np.mean(g != e))
+      record_property(f"gathered_mismatch_{wt is not None}", differ)
+      assert g.shape == e.shape and differ <= 1e-3, (g.shape, differ)
+
+
+def test_tokens_mlp_fused_matches_the_unfused_layer(monkeypatch, record_property):
+  """mosaic_tokens (the local exchange's fused path) against dispatch -> mosaic.mlp -> combine on the
+  GPU: the forward to the bit, the gradients within the recipe's bound of each other and of float32."""
+  from temoe.moe import dispatch  # pylint: disable=import-outside-toplevel
+  from temoe.moe.context import MoEContext  # pylint: disable=import-outside-toplevel
+  from temoe.moe.experts import mosaic, mosaic_tokens, xla  # pylint: disable=import-outside-toplevel
+
+  experts, emb, ffn, tokens, top_k = 8, 1024, 512, 2048, 4
+  keys = jax.random.split(jax.random.key(5), 6)
+  ids = jax.random.randint(keys[0], (tokens, top_k), 0, experts - 1)  # the last expert empty
+  weights = jax.nn.softmax(jax.random.normal(keys[1], (tokens, top_k)), axis=-1)
+  x = jax.random.normal(keys[2], (tokens, emb)).astype(jnp.bfloat16)
+  wi = (jax.random.normal(keys[3], (experts, emb, 2 * ffn)) * emb**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(keys[4], (experts, ffn, emb)) * ffn**-0.5).astype(jnp.bfloat16)
+  cot = jax.random.normal(keys[5], (tokens, emb))
+  ctx = MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe="te_fp8_blockwise", kernel="mosaic",
+                   align=recipes.row_alignment("te_fp8_blockwise", "mosaic"))
+  f32ctx = MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.float32)
+  p = dispatch.plan(ids, experts, ctx.align)
+  none = (None, None, None)
+
+  def unfused(c, mlp):
+    return lambda x, wi, wo, w: dispatch.combine(mlp(c, dispatch.dispatch(x, p, top_k), p, wi, wo, none, None), p, w)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return [f32(a) for a in (out, *vjp(cot.astype(out.dtype)))]
+
+  got = jax.jit(lambda *a: grads(lambda x, wi, wo, w: mosaic_tokens.mlp(ctx, x, p, w, wi, wo), *a))(x, wi, wo, weights)
+  same = jax.jit(lambda *a: grads(unfused(ctx, mosaic.mlp), *a))(x, wi, wo, weights)
+  ref = jax.jit(lambda *a: grads(unfused(f32ctx, xla.mlp), *a))(*(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
+  np.testing.assert_array_equal(got[0], same[0])
+  for name, g, s, r in zip(("out", "dx", "dwi", "dwo", "dweights"), got, same, ref):
+    assert np.isfinite(g).all(), name
+    record_property(f"fused_rel_err_{name}", rel(g, r))
+    record_property(f"unfused_rel_err_{name}", rel(s, r))
+    print(f"tokens mlp {name}: fused {rel(g, r):.3e}, unfused {rel(s, r):.3e} vs float32; apart {rel(g, s):.3e}")
+    assert rel(g, r) < (FWD_BOUND if name == "out" else GRAD_BOUND) and rel(g, r) <= 1.05 * rel(s, r) + 1e-3, name
+  assert not got[2][-1].any() and not got[3][-1].any()  # the empty expert's dwi, dwo
 
 
 def mosaic_blockwise(x, w, sizes):

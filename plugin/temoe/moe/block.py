@@ -31,12 +31,21 @@ def expert_mlp(ctx: MoEContext, x, p: dispatch.DispatchPlan, wi, wo, biases):
   return expert_kernel(ctx.kernel).mlp(ctx, x, p, wi, wo, biases, rows_expert)
 
 
+def tokens_mlp(ctx: MoEContext, wi, wo, biases):
+  """The context's kernel's MLP from tokens to combined outputs (dispatch and combine fused into it),
+  where it offers one for this layer (`tokens_mlp(ctx, wi, wo, biases)`), else None."""
+  offer = getattr(expert_kernel(ctx.kernel), "tokens_mlp", None)
+  return offer(ctx, wi, wo, biases) if offer else None
+
+
 def _per_device(ctx: MoEContext, strategy, x, expert_ids, weights, wi, wo, *biases):
   shape = x.shape
   top_k = expert_ids.shape[-1]
   mlp = functools.partial(expert_mlp, ctx, wi=wi, wo=wo, biases=biases)
+  fused = tokens_mlp(ctx, wi, wo, biases) if strategy is exchange.strategy("local") else None
   out, stats = strategy.run(
-      ctx, x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k), mlp
+      ctx, x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k), mlp,
+      **({"tokens_mlp": fused} if fused else {})
   )
   stats = {k: jnp.reshape(v, (1,)).astype(jnp.bool_ if k == "overflow" else jnp.int32) for k, v in stats.items()}
   return out.reshape(shape).astype(ctx.dtype), stats

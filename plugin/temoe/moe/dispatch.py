@@ -154,7 +154,11 @@ def with_groups(p: DispatchPlan, num_groups: int) -> DispatchPlan:
 def combine(y: jax.Array, p: DispatchPlan, weights: jax.Array, float32_sum: bool = True) -> jax.Array:
   """Returns (tokens, emb): each token's expert outputs from buffer `y`, summed with its `weights`."""
   tokens, top_k = weights.shape
-  per_choice = undispatch(y, p).reshape(tokens, top_k, -1)
+  return weighted_sum(undispatch(y, p).reshape(tokens, top_k, -1), weights, float32_sum)
+
+
+def weighted_sum(per_choice: jax.Array, weights: jax.Array, float32_sum: bool = True) -> jax.Array:
+  """(tokens, emb): per_choice (tokens, top_k, emb) summed over top_k with `weights` (tokens, top_k)."""
   if float32_sum:  # converts fuse into the multiply-reduce: no float32 copy of the rows is stored
     per_choice, weights = per_choice.astype(jnp.float32), weights.astype(jnp.float32)
   return jnp.sum(per_choice * weights[..., None].astype(per_choice.dtype), axis=1)

@@ -28,8 +28,9 @@ on the H200 for DeepSeek-V3's layer, 69,632 buffer rows: bench/results/fp8_block
 over each bf16 operand a producer wrote, x (the dispatch gather's output) 1.33 ms, h (the activation's
 output) 0.46 ms, the incoming gradient dy (the combine's backward) 1.33 ms and the activation's
 gradient 0.86 ms, at 1.25-1.53 TB/s; each weight once per step into both layouts, wi 1.73 ms and wo
-0.79 ms (2.2-2.4 TB/s). About 6.5 ms of the 28 ms layer. They are not fused into the producers'
-epilogues: the gather, the activation and the combine's backward are XLA's; and a warpgroup's tile
+0.79 ms (2.2-2.4 TB/s). About 6.5 ms of the 28 ms layer. `quantize_gathered` fuses two of them
+into their producers' reads: x's rows gathered from the tokens, and dy's from the tokens' gradient
+times the routing weights (`mosaic_tokens`, opt-in until measured). The activation is XLA's; a warpgroup's tile
 of the gate/up GEMM is 64 x 128 (its fp32 total beside the accumulator), so to apply the activation
 in its epilogue it would hold 64 matching columns of gate and of up, which make 64 columns of h: half
 of the 128 that one 1 x 128 scale of h spans.
@@ -108,6 +109,16 @@ def quantize_both_xla(x: jax.Array, pow2: bool = False):
   return q, s, qt, st
 
 
+def gather_rows(src: jax.Array, index: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+  """Rows src[index[r]] * weight[r] in fp32 (R, C); index == len(src) reads a zero row (a padding slot)."""
+  v = jnp.concatenate([src.astype(jnp.float32), jnp.zeros((1, src.shape[1]), jnp.float32)])[index]
+  return v if weight is None else v * weight.astype(jnp.float32)[:, None]
+
+
+def quantize_gathered_xla(src: jax.Array, index: jax.Array, weight: jax.Array | None = None, pow2: bool = False):
+  return quantize_both_xla(gather_rows(src, index, weight), pow2)
+
+
 def quantize_weights_xla(w: jax.Array, pow2: bool = False):
   """128 x 128 blocks of (G, K, N): (q (G, K, N), q^T (G, N, K), scales (G, ceil(K/128), ceil(N/128)))."""
   g, k, n = w.shape
@@ -137,6 +148,25 @@ def _both_kernel(x_ref, q_ref, s_ref, qt_ref, st_ref, *, pow2):
   a = jnp.abs(v)
   s_row = scale_of(jnp.max(a, axis=1), pow2)  # one per row (1 x 128)
   s_col = scale_of(jnp.max(a, axis=0), pow2)  # one per column (128 x 1)
+  q_ref[...] = _cast(v / s_row[:, None])
+  s_ref[...] = s_row
+  qt_ref[...] = _cast(v / s_col[None, :]).T
+  st_ref[...] = s_col
+
+
+def _gathered_kernel(index_ref, *refs, tokens, weighted, pow2):
+  """_both_kernel on the 128 x 128 tile of rows src[index] (x weight): the gather reads as it quantizes."""
+  weight_ref, refs = (refs[0], refs[1:]) if weighted else (None, refs)
+  src_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  index = index_ref[...]
+  real = index < tokens  # index == tokens: a padding slot, zero
+  v = src_ref[jnp.where(real, index, 0), pl.ds(pl.program_id(1) * BLOCK, BLOCK)]  # padding slots read row 0
+  v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0)
+  if weighted:
+    v = v * weight_ref[...].astype(jnp.float32)[:, None]
+  a = jnp.abs(v)
+  s_row = scale_of(jnp.max(a, axis=1), pow2)
+  s_col = scale_of(jnp.max(a, axis=0), pow2)
   q_ref[...] = _cast(v / s_row[:, None])
   s_ref[...] = s_row
   qt_ref[...] = _cast(v / s_col[None, :]).T
@@ -182,6 +212,33 @@ def _quantize_both_triton(x, pow2):
   )(x)
 
 
+def _quantize_gathered_triton(src, index, weight, pow2):
+  tokens, c = src.shape
+  r = index.shape[0]
+  rb, cb = r // BLOCK, c // BLOCK
+  blk = (BLOCK, BLOCK)
+  row_block = pl.BlockSpec((BLOCK,), lambda i, j: (i,))
+  weighted = weight is not None
+  return pl.pallas_call(
+      functools.partial(_gathered_kernel, tokens=tokens, weighted=weighted, pow2=pow2),
+      grid=(rb, cb),
+      in_specs=[row_block] + [row_block] * weighted + [pl.BlockSpec(memory_space=pl.ANY)],  # src: read by index
+      out_specs=[
+          pl.BlockSpec(blk, lambda i, j: (i, j)),
+          pl.BlockSpec((None, BLOCK), lambda i, j: (j, i)),
+          pl.BlockSpec(blk, lambda i, j: (j, i)),
+          pl.BlockSpec((None, BLOCK), lambda i, j: (i, j)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((cb, r), jnp.float32),
+          jax.ShapeDtypeStruct((c, r), E4M3), jax.ShapeDtypeStruct((rb, c), jnp.float32),
+      ],
+      compiler_params=_compiler_params(ROWS_WARPS),
+      interpret=INTERPRET,
+      name="temoe_fp8_block_quantize_gathered",
+  )(index.astype(jnp.int32), *([weight.astype(jnp.float32)] if weighted else []), src)
+
+
 def _quantize_weights_triton(w, pow2):
   g, k, n = w.shape
   kb, nb = k // BLOCK, n // BLOCK
@@ -223,6 +280,17 @@ def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
   if resolve(impl, *x.shape) == "triton":
     return _quantize_both_triton(x, pow2)
   return quantize_both_xla(x, pow2)
+
+
+def quantize_gathered(src: jax.Array, index: jax.Array, weight: jax.Array | None = None, pow2: bool = False,
+                      impl: str | None = None):
+  """quantize_both of the rows src[index[r]] * weight[r] (R = len(index); index == len(src) is a zero
+  row), without writing them: the dispatch gather (x's rows into the expert buffer) and the combine's
+  backward (each slot's dy is its token's incoming gradient times its routing weight) quantize as
+  they read. The src rows are read in fp32 and weighted there, so dy is rounded once, to E4M3."""
+  if resolve(impl, index.shape[0], src.shape[1]) == "triton":
+    return _quantize_gathered_triton(src, index, weight, pow2)
+  return quantize_gathered_xla(src, index, weight, pow2)
 
 
 def quantize_weights(w: jax.Array, pow2: bool = False, impl: str | None = None):

@@ -6,7 +6,9 @@ over MaxText's fused [gate | up] `wi`, the activation, one over `wo`; each GEMM 
 custom VJP (dgrad and wgrad kernels). `te_fp8_current` runs them in FP8 with per-expert current
 scaling (E4M3 forward, E5M2 gradients), `te_fp8_blockwise` in FP8 with DeepSeek-V3's block scales
 (`fp8_block`), `te_no_quant` in bf16. Groups are padded to the kernels'
-128-row tiles by dispatch (the recipe registry's alignment).
+128-row tiles by dispatch (the recipe registry's alignment). `tokens_mlp` offers the local exchange
+the blockwise recipe's MLP from tokens, with dispatch and combine fused into its quantizers
+(`mosaic_tokens`).
 """
 
 from __future__ import annotations
@@ -36,3 +38,12 @@ def mlp(
                                       out_dtype=ctx.dtype)
 
   return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gemm)
+
+
+def tokens_mlp(ctx, wi: jax.Array, wo: jax.Array, biases):
+  """For the local exchange: the blockwise recipe's MLP from tokens (`mosaic_tokens`, where it applies), else None."""
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  if not mosaic_tokens.applies(ctx, biases):
+    return None
+  return lambda x, p, weights: mosaic_tokens.mlp(ctx, x, p, weights, wi, wo)

@@ -721,13 +721,13 @@ def _pad_rows(x, rows):
   return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
 
 
-def _pad_to(x, shape):
+def pad_to(x, shape):
   """x zero-padded at the end of every dim to `shape` (XLA fuses it into the quantizer reading x)."""
   pads = [(0, t - d) for d, t in zip(x.shape, shape)]
   return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
-def _tile(v: int) -> int:
+def tiled(v: int) -> int:
   return -(-v // FP8_TILE) * FP8_TILE
 
 
@@ -780,7 +780,7 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
     # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
     # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored kept for dgrad.
     # The copies are padded to whole 128-element tiles in K and N.
-    xp, wp = _pad_to(x, (mp, _tile(k))), _pad_to(w, (w.shape[0], _tile(k), _tile(n)))
+    xp, wp = pad_to(x, (mp, tiled(k))), pad_to(w, (w.shape[0], tiled(k), tiled(n)))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
@@ -789,12 +789,9 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
-    xp, wp = _pad_to(x, (mp, _tile(k))), _pad_to(w, (w.shape[0], _tile(k), _tile(n)))
-    xq, sx, xqt, sxt = fp8_block.quantize_both(xp, impl=quant)
-    wq, wqt, sw = fp8_block.quantize_weights(wp, impl=quant)
-    y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms,
-                           block_scales=(sx, sw))
-    res = (xqt, sxt, wq, sw, group_sizes, *protos)
+    y, fp8_res = blockwise_forward(fp8_block.quantize_both(pad_to(x, (mp, tiled(k))), impl=quant), w, group_sizes,
+                                   out_dtype, configs, sms, quant)
+    res = (*fp8_res, group_sizes, *protos)
   else:  # bf16 reads x and w as they are (K and N multiples of 64: check_shapes)
     xb, wb = _pad_rows(x, mp).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
     y = ragged_rows_matmul(xb, wb, group_sizes, b_contract_minor=False, out_dtype=out_dtype, config=configs.fwd, sms=sms)
@@ -809,7 +806,7 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
   _, k, n = w_proto.shape
   mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kp, Mp), w (G, Kp, Np)
   if scaling == "current":
-    dyp = _pad_to(dy, (mp, wq.shape[2]))
+    dyp = pad_to(dy, (mp, wq.shape[2]))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
     dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
@@ -817,15 +814,8 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
         xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
     )
   elif scaling == "blockwise":
-    # dy in E4M3 too (the recipe): 1 x 128 blocks along N for dgrad, 128 x 1 of dy^T for wgrad. dgrad
-    # reads w as stored, (G, K, N) = (G, Nout, C): its weight block (k-block of C = N, column block of
-    # K) is sw's (K block, N block) swapped.
-    dyp = _pad_to(dy, (mp, wq.shape[2]))
-    dyq, sdy, dyqt, sdyt = fp8_block.quantize_both(dyp, impl=quant)
-    dx = ragged_rows_matmul(dyq, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms,
-                            block_scales=(sdy, jnp.swapaxes(sw, 1, 2)))
-    dw = ragged_contract_matmul(xs, dyqt, group_sizes, out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms,
-                                block_scales=(sx, sdyt))
+    dyq4 = fp8_block.quantize_both(pad_to(dy, (mp, wq.shape[2])), impl=quant)
+    dx, dw = blockwise_backward((xs, sx, wq, sw), dyq4, group_sizes, x_proto.dtype, w_proto.dtype, configs, sms)
   else:
     dyb = _pad_rows(dy, mp).astype(jnp.bfloat16)
     dx = ragged_rows_matmul(dyb, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
@@ -837,3 +827,29 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms, quant):
+  """The blockwise forward GEMM from rows already quantized: `xq4` is fp8_block.quantize_both's
+  (q, s, q^T, s^T) of x zero-padded to (whole tiles of rows, whole 128s of K) (or quantize_gathered's,
+  whose producer quantized them as it read). Returns (y (Mp, Np), the residuals `blockwise_backward`
+  takes: x^T and its 128 x 1 scales for wgrad, w as stored and its 128 x 128 scales for dgrad)."""
+  xq, sx, xqt, sxt = xq4
+  g, k, n = w.shape
+  wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, tiled(k), tiled(n))), impl=quant)
+  y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw))
+  return y, (xqt, sxt, wq, sw)
+
+
+def blockwise_backward(res, dyq4, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms):
+  """(dx (Mp, Kp), dw (G, Kp, Np)) of the blockwise GEMM from `blockwise_forward`'s residuals and the
+  incoming gradient already quantized (dyq4 as xq4, over (Mp, Np)): dy in E4M3 too (the recipe), 1 x 128
+  blocks along N for dgrad, 128 x 1 of dy^T for wgrad. dgrad reads w as stored, (G, K, N) = (G, Nout, C):
+  its weight block (k-block of C = N, column block of K) is sw's (K block, N block) swapped."""
+  xqt, sxt, wq, sw = res
+  dyq, sdy, dyqt, sdyt = dyq4
+  dx = ragged_rows_matmul(dyq, wq, group_sizes, out_dtype=x_dtype, config=configs.dgrad, sms=sms,
+                          block_scales=(sdy, jnp.swapaxes(sw, 1, 2)))
+  dw = ragged_contract_matmul(xqt, dyqt, group_sizes, out_dtype=w_dtype, config=configs.wgrad, sms=sms,
+                              block_scales=(sxt, sdyt))
+  return dx, dw

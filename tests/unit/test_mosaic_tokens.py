@@ -1,0 +1,160 @@
+"""The blockwise MLP from tokens (`mosaic_tokens`: dispatch's gather and combine's backward fused
+into the quantizers) against the same recipe unfused (dispatch -> mosaic.mlp -> combine) and a
+float32 layer, on CPU in Pallas' GPU interpret mode: tiny shapes, logic only."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from temoe import recipes
+from temoe.moe import block, dispatch
+from temoe.moe.context import MoEContext
+from temoe.moe.experts import fp8_block, mosaic, mosaic_gemm, mosaic_tokens, xla
+
+EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
+RECIPE = "te_fp8_blockwise"
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("float32_sum", [True, False])
+def test_tokens_mlp_matches_the_unfused_layer_and_float32(float32_sum, monkeypatch):
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  align = recipes.row_alignment(RECIPE, "mosaic")
+  rng = np.random.default_rng(0)
+  keys = jax.random.split(jax.random.key(0), 5)
+  ids = jnp.asarray(rng.choice([0, 2], (TOKENS, TOP_K)).astype(np.int32))  # expert 1 empty
+  p = dispatch.plan(ids, EXPERTS, align)
+  x = jax.random.normal(keys[0], (TOKENS, EMB)).astype(jnp.bfloat16)
+  wi = (jax.random.normal(keys[1], (EXPERTS, EMB, 2 * FFN)) * EMB**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(keys[2], (EXPERTS, FFN, EMB)) * FFN**-0.5).astype(jnp.bfloat16)
+  weights = jax.nn.softmax(jax.random.normal(keys[3], (TOKENS, TOP_K)), axis=-1)
+  cot = jax.random.normal(keys[4], (TOKENS, EMB))
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=align,
+                   float32_weight_sum=float32_sum)
+  none = (None, None, None)
+
+  def fused(x, wi, wo, weights):
+    return mosaic_tokens.mlp(ctx, x, p, weights, wi, wo)
+
+  def unfused(x, wi, wo, weights, c=ctx, mlp=mosaic.mlp):
+    y = mlp(c, dispatch.dispatch(x, p, TOP_K), p, wi, wo, none, None)
+    return dispatch.combine(y, p, weights, float32_sum)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out, *vjp(cot.astype(out.dtype)))
+
+  with plgpu.force_gpu_interpret_mode():
+    got = grads(fused, x, wi, wo, weights)
+    same_recipe = grads(unfused, x, wi, wo, weights)
+  f32 = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.float32, float32_weight_sum=float32_sum)
+  ref = grads(lambda *a: unfused(*a, c=f32, mlp=xla.mlp), *(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
+  assert got[0].dtype == same_recipe[0].dtype
+  assert not np.asarray(got[2], np.float32)[1].any() and not np.asarray(got[3], np.float32)[1].any()  # empty expert
+  fwd_bound, grad_bound = recipes.REGISTRY[RECIPE].error_bound
+  for name, g, s, r in zip(("out", "dx", "dwi", "dwo", "dweights"), got, same_recipe, ref):
+    assert g.shape == s.shape and g.dtype == s.dtype, name
+    bound = fwd_bound if name == "out" else grad_bound
+    assert rel(g, r) < bound, (name, rel(g, r))
+    # the same recipe: the forward bitwise; the backward differs only where dy was rounded to bf16 first
+    if name == "out":  # the same forward, to the bit
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(s, np.float32))
+    else:  # the backward rounds dy once (E4M3) where the unfused layer rounds it to bf16 first
+      assert rel(g, s) < bound / 2 and rel(g, r) < 1.05 * rel(s, r) + 1e-3, (name, rel(g, s), rel(g, r), rel(s, r))
+
+
+def test_the_fused_gather_quantizes_what_dispatch_would_write(monkeypatch):
+  monkeypatch.setattr(fp8_block, "INTERPRET", True)
+  rng = np.random.default_rng(1)
+  ids = jnp.asarray(rng.integers(0, EXPERTS, (TOKENS, TOP_K)).astype(np.int32))
+  p = dispatch.plan(ids, EXPERTS, 128)
+  x = jnp.asarray(rng.standard_normal((TOKENS, 256)) * 10.0 ** rng.uniform(-3, 3, (TOKENS, 1)), jnp.bfloat16)
+  weights = jnp.asarray(rng.random((TOKENS, TOP_K)), jnp.float32)
+  index = mosaic_tokens._slot_tokens(p.choice_of_slot, TOP_K, TOKENS, p.buffer_rows)  # pylint: disable=protected-access
+  slot_weights = mosaic_tokens._slot_weights(p.choice_of_slot, weights, p.buffer_rows)  # pylint: disable=protected-access
+  buffer = dispatch.dispatch(x, p, TOP_K)
+  spare = np.asarray(p.choice_of_slot) == TOKENS * TOP_K
+  assert spare.any() and (np.asarray(index)[spare] == TOKENS).all() and not np.asarray(slot_weights)[spare].any()
+  scaled = buffer.astype(jnp.float32) * slot_weights[:, None]
+  for weight, rows in ((None, buffer), (slot_weights, scaled)):
+    want = fp8_block.quantize_both(rows, impl="xla")
+    for impl in ("xla", "triton"):
+      got = fp8_block.quantize_gathered(x, index, weight, impl=impl)
+      for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def abstract_h200():
+  """An abstract mesh on an H200, so Pallas' Triton backend lowers on a host without a GPU (its
+  Python lowering to Triton IR; Triton's own compiler runs on the GPU: tests/gpu)."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+  return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
+def test_the_triton_quantizers_lower_for_an_h200():
+  S = jax.ShapeDtypeStruct
+  with abstract_h200():
+    for fn, args in (
+        (lambda x: fp8_block.quantize_both(x, impl="triton"), (S((1024, 7168), jnp.bfloat16),)),
+        (lambda w: fp8_block.quantize_weights(w, impl="triton"), (S((4, 7168, 4096), jnp.bfloat16),)),
+        (lambda x, i: fp8_block.quantize_gathered(x, i, impl="triton"), (S((1000, 7168), jnp.bfloat16), S((8192,), jnp.int32))),
+        (lambda g, i, w: fp8_block.quantize_gathered(g, i, w, True, impl="triton"),
+         (S((1000, 7168), jnp.float32), S((8192,), jnp.int32), S((8192,), jnp.float32))),
+    ):
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
+
+
+def test_the_fused_layer_lowers_for_sm90():
+  """Forward + backward of DeepSeek-V3's layer shape lowered for Hopper: six Mosaic GPU GEMMs (x's
+  rows gathered by the quantizer: no other custom call; the quantizers here are XLA's, whose Triton
+  kernels lower above)."""
+  S = jax.ShapeDtypeStruct
+  experts, emb, ffn, tokens, top_k = 32, 7168, 2048, 1024, 8
+  ctx = MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=128)
+
+  def loss(x, wi, wo, weights, ids):
+    p = dispatch.plan(ids, experts, 128)
+    return jnp.sum(mosaic_tokens.mlp(ctx, x, p, weights, wi, wo, quant="xla", sms=132).astype(jnp.float32) ** 2)
+
+  args = (S((tokens, emb), jnp.bfloat16), S((experts, emb, 2 * ffn), jnp.bfloat16), S((experts, ffn, emb), jnp.bfloat16),
+          S((tokens, top_k), jnp.float32), S((tokens, top_k), jnp.int32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  targets = re.findall(r"custom_call @([\w$.]+)", text)
+  assert targets and all(t.startswith("mosaic_gpu") for t in targets) and len(targets) == 6, targets
+
+
+def test_the_local_exchange_takes_the_tokens_path_only_where_it_applies(monkeypatch):
+  calls = []
+  original = mosaic_tokens.mlp
+  monkeypatch.setattr(mosaic_tokens, "mlp", lambda *a, **k: calls.append(1) or original(*a, **k))
+  S = jax.ShapeDtypeStruct
+  args = (S((2, 48, EMB), jnp.bfloat16), S((2, 48, TOP_K), jnp.int32), S((2, 48, TOP_K), jnp.float32),
+          S((EXPERTS, EMB, 2 * FFN), jnp.bfloat16), S((EXPERTS, FFN, EMB), jnp.bfloat16))
+  bias = S((EXPERTS, EMB), jnp.bfloat16)
+
+  def traced(recipe, fused, biases=(None, None, None)):
+    monkeypatch.setattr(mosaic_tokens, "FUSED", fused)
+    calls.clear()
+    ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic",
+                     align=recipes.row_alignment(recipe, "mosaic"))
+    out, _ = jax.eval_shape(lambda *a: block.apply(ctx, *a[:5], biases=a[5:]), *args, *biases)
+    assert out.shape == (2, 48, EMB) and out.dtype == jnp.bfloat16
+    return len(calls)
+
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  assert traced(RECIPE, True) == 1
+  assert traced(RECIPE, False) == 0  # off until measured on a GPU
+  assert traced("te_fp8_current", True) == 0
+  assert traced(RECIPE, True, (None, None, bias)) == 0  # row biases: mosaic.mlp
