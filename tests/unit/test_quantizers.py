@@ -22,3 +22,15 @@ def test_both_modules_refuse_a_partial_tile_for_triton_and_an_unknown_impl(resol
   with pytest.raises(ValueError, match="impl 'cuda': choose one of auto, xla, triton"):
     resolve("cuda")
   assert resolve("xla") == "xla"
+
+
+def test_arrays_whose_element_offsets_would_wrap_take_xla(monkeypatch):
+  """Pallas' Triton lowering offsets in 32-bit signed arithmetic below 2^32 bytes: a 1-byte FP8 copy of
+  2^31 elements or more would wrap, so `auto` takes XLA and an explicit triton is refused."""
+  monkeypatch.setattr(quantizers.jax, "default_backend", lambda: "gpu")
+  experts_80 = (80, 7168, 4096)  # 2.35e9 elements: between 2^31 and 2^32
+  assert fp8_block.resolve(None, 7168, 4096, elements=7168 * 4096 * 64) == "triton"
+  assert fp8_block.resolve(None, 7168, 4096, elements=7168 * 4096 * 80) == "xla"
+  assert fp8_quant.resolve(None, experts_80) == "xla" and fp8_quant.resolve(None, (64, 7168, 4096)) == "triton"
+  with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):
+    fp8_block.resolve("triton", 7168, 4096, elements=7168 * 4096 * 80)

@@ -95,7 +95,7 @@ def row_experts(p: DispatchPlan) -> jax.Array:
   return jnp.repeat(ids, p.padded_group_sizes, total_repeat_length=p.buffer_rows)
 
 
-def _take_with_zero_row(x: jax.Array, index: jax.Array) -> jax.Array:
+def take_with_zero_row(x: jax.Array, index: jax.Array) -> jax.Array:
   """x[index], where index == len(x) reads a zero row (padding)."""
   return jnp.concatenate([x, jnp.zeros((1, x.shape[-1]), x.dtype)])[index]
 
@@ -103,16 +103,21 @@ def _take_with_zero_row(x: jax.Array, index: jax.Array) -> jax.Array:
 @jax.custom_vjp
 def _to_slots(x, choice_of_slot, slot_of_choice):
   top_k = slot_of_choice.shape[0] // x.shape[0]
-  return _take_with_zero_row(x, choice_of_slot // top_k)
+  return take_with_zero_row(x, choice_of_slot // top_k)
 
 
 def _to_slots_fwd(x, choice_of_slot, slot_of_choice):
   return _to_slots(x, choice_of_slot, slot_of_choice), (slot_of_choice, x.shape[0])
 
 
+def sum_choices(g: jax.Array, slot_of_choice: jax.Array, tokens: int) -> jax.Array:
+  """(tokens, emb): each token's top_k buffer rows of g summed (in float32): dispatch's transpose."""
+  return g[slot_of_choice].reshape(tokens, -1, g.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(g.dtype)
+
+
 def _to_slots_bwd(res, g):
   slot_of_choice, tokens = res
-  return g[slot_of_choice].reshape(tokens, -1, g.shape[-1]).sum(axis=1, dtype=jnp.float32).astype(g.dtype), None, None
+  return sum_choices(g, slot_of_choice, tokens), None, None
 
 
 _to_slots.defvjp(_to_slots_fwd, _to_slots_bwd)
@@ -128,7 +133,7 @@ def _to_choices_fwd(y, slot_of_choice, choice_of_slot):
 
 
 def _to_choices_bwd(choice_of_slot, g):
-  return _take_with_zero_row(g, choice_of_slot), None, None
+  return take_with_zero_row(g, choice_of_slot), None, None
 
 
 _to_choices.defvjp(_to_choices_fwd, _to_choices_bwd)

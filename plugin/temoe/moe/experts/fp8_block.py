@@ -39,6 +39,7 @@ of the 128 that one 1 x 128 scale of h spans.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,7 @@ def quantize_both_xla(x: jax.Array, pow2: bool = False):
 
 def gather_rows(src: jax.Array, index: jax.Array, weight: jax.Array | None = None) -> jax.Array:
   """Rows src[index[r]] * weight[r] in fp32 (R, C); index == len(src) reads a zero row (a padding slot)."""
-  v = jnp.concatenate([src.astype(jnp.float32), jnp.zeros((1, src.shape[1]), jnp.float32)])[index]
+  v = jnp.concatenate([src, jnp.zeros((1, src.shape[1]), src.dtype)])[index].astype(jnp.float32)
   return v if weight is None else v * weight.astype(jnp.float32)[:, None]
 
 
@@ -143,8 +144,8 @@ def dequantize_weights(q: jax.Array, s: jax.Array) -> jax.Array:
 # ------------------------------------------------------------------------------- Triton kernels
 
 
-def _both_kernel(x_ref, q_ref, s_ref, qt_ref, st_ref, *, pow2):
-  v = x_ref[...].astype(jnp.float32)  # (128, 128): rows i-block, cols j-block
+def _quantize_tile(v, q_ref, s_ref, qt_ref, st_ref, pow2):
+  """Writes the fp32 (128, 128) tile v (rows i-block, cols j-block) both ways: 1 x 128 and 128 x 1 blocks."""
   a = jnp.abs(v)
   s_row = scale_of(jnp.max(a, axis=1), pow2)  # one per row (1 x 128)
   s_col = scale_of(jnp.max(a, axis=0), pow2)  # one per column (128 x 1)
@@ -154,23 +155,21 @@ def _both_kernel(x_ref, q_ref, s_ref, qt_ref, st_ref, *, pow2):
   st_ref[...] = s_col
 
 
+def _both_kernel(x_ref, *outs, pow2):
+  _quantize_tile(x_ref[...].astype(jnp.float32), *outs, pow2)
+
+
 def _gathered_kernel(index_ref, *refs, tokens, weighted, pow2):
   """_both_kernel on the 128 x 128 tile of rows src[index] (x weight): the gather reads as it quantizes."""
   weight_ref, refs = (refs[0], refs[1:]) if weighted else (None, refs)
-  src_ref, q_ref, s_ref, qt_ref, st_ref = refs
+  src_ref, *outs = refs
   index = index_ref[...]
   real = index < tokens  # index == tokens: a padding slot, zero
   v = src_ref[jnp.where(real, index, 0), pl.ds(pl.program_id(1) * BLOCK, BLOCK)]  # padding slots read row 0
   v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0)
   if weighted:
     v = v * weight_ref[...].astype(jnp.float32)[:, None]
-  a = jnp.abs(v)
-  s_row = scale_of(jnp.max(a, axis=1), pow2)
-  s_col = scale_of(jnp.max(a, axis=0), pow2)
-  q_ref[...] = _cast(v / s_row[:, None])
-  s_ref[...] = s_row
-  qt_ref[...] = _cast(v / s_col[None, :]).T
-  st_ref[...] = s_col
+  _quantize_tile(v, *outs, pow2)
 
 
 def _weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, pow2):
@@ -188,24 +187,31 @@ def _compiler_params(warps: int):
   return pltriton.CompilerParams(num_warps=warps, num_stages=1)
 
 
+def _both_outputs(r: int, c: int):
+  """(out_specs, out_shape) of a (R, C) operand quantized both ways on a (R/128, C/128) grid."""
+  blk = (BLOCK, BLOCK)
+  specs = [
+      pl.BlockSpec(blk, lambda i, j: (i, j)),
+      pl.BlockSpec((None, BLOCK), lambda i, j: (j, i)),
+      pl.BlockSpec(blk, lambda i, j: (j, i)),
+      pl.BlockSpec((None, BLOCK), lambda i, j: (i, j)),
+  ]
+  shapes = [
+      jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((c // BLOCK, r), jnp.float32),
+      jax.ShapeDtypeStruct((c, r), E4M3), jax.ShapeDtypeStruct((r // BLOCK, c), jnp.float32),
+  ]
+  return specs, shapes
+
+
 def _quantize_both_triton(x, pow2):
   r, c = x.shape
-  rb, cb = r // BLOCK, c // BLOCK
-  blk = (BLOCK, BLOCK)
+  out_specs, out_shape = _both_outputs(r, c)
   return pl.pallas_call(
       functools.partial(_both_kernel, pow2=pow2),
-      grid=(rb, cb),
-      in_specs=[pl.BlockSpec(blk, lambda i, j: (i, j))],
-      out_specs=[
-          pl.BlockSpec(blk, lambda i, j: (i, j)),
-          pl.BlockSpec((None, BLOCK), lambda i, j: (j, i)),
-          pl.BlockSpec(blk, lambda i, j: (j, i)),
-          pl.BlockSpec((None, BLOCK), lambda i, j: (i, j)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((cb, r), jnp.float32),
-          jax.ShapeDtypeStruct((c, r), E4M3), jax.ShapeDtypeStruct((rb, c), jnp.float32),
-      ],
+      grid=(r // BLOCK, c // BLOCK),
+      in_specs=[pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=_compiler_params(ROWS_WARPS),
       interpret=INTERPRET,
       name="temoe_fp8_block_quantize",
@@ -215,24 +221,15 @@ def _quantize_both_triton(x, pow2):
 def _quantize_gathered_triton(src, index, weight, pow2):
   tokens, c = src.shape
   r = index.shape[0]
-  rb, cb = r // BLOCK, c // BLOCK
-  blk = (BLOCK, BLOCK)
+  out_specs, out_shape = _both_outputs(r, c)
   row_block = pl.BlockSpec((BLOCK,), lambda i, j: (i,))
   weighted = weight is not None
   return pl.pallas_call(
       functools.partial(_gathered_kernel, tokens=tokens, weighted=weighted, pow2=pow2),
-      grid=(rb, cb),
+      grid=(r // BLOCK, c // BLOCK),
       in_specs=[row_block] + [row_block] * weighted + [pl.BlockSpec(memory_space=pl.ANY)],  # src: read by index
-      out_specs=[
-          pl.BlockSpec(blk, lambda i, j: (i, j)),
-          pl.BlockSpec((None, BLOCK), lambda i, j: (j, i)),
-          pl.BlockSpec(blk, lambda i, j: (j, i)),
-          pl.BlockSpec((None, BLOCK), lambda i, j: (i, j)),
-      ],
-      out_shape=[
-          jax.ShapeDtypeStruct((r, c), E4M3), jax.ShapeDtypeStruct((cb, r), jnp.float32),
-          jax.ShapeDtypeStruct((c, r), E4M3), jax.ShapeDtypeStruct((rb, c), jnp.float32),
-      ],
+      out_specs=out_specs,
+      out_shape=out_shape,
       compiler_params=_compiler_params(ROWS_WARPS),
       interpret=INTERPRET,
       name="temoe_fp8_block_quantize_gathered",
@@ -268,10 +265,10 @@ def _quantize_weights_triton(w, pow2):
 # ------------------------------------------------------------------------------------ public API
 
 
-def resolve(impl: str | None, *dims: int) -> str:
-  """The implementation `impl` names for an operand with these dims ("auto": triton on a GPU when
-  every dim is a multiple of 128, xla otherwise): `quantizers.resolve`."""
-  return quantizers.resolve(impl or DEFAULT_IMPL, "fp8_block", dims, (BLOCK,) * len(dims))
+def resolve(impl: str | None, *dims: int, elements: int = 0) -> str:
+  """The implementation `impl` names for an operand with these dims and `elements` in all ("auto":
+  triton on a GPU when every dim is a multiple of 128, xla otherwise): `quantizers.resolve`."""
+  return quantizers.resolve(impl or DEFAULT_IMPL, "fp8_block", dims, (BLOCK,) * len(dims), elements or math.prod(dims))
 
 
 def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
@@ -285,17 +282,18 @@ def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
 def quantize_gathered(src: jax.Array, index: jax.Array, weight: jax.Array | None = None, pow2: bool = False,
                       impl: str | None = None):
   """quantize_both of the rows src[index[r]] * weight[r] (R = len(index); index == len(src) is a zero
-  row), without writing them: the dispatch gather (x's rows into the expert buffer) and the combine's
-  backward (each slot's dy is its token's incoming gradient times its routing weight) quantize as
-  they read. The src rows are read in fp32 and weighted there, so dy is rounded once, to E4M3."""
-  if resolve(impl, index.shape[0], src.shape[1]) == "triton":
+  row): the dispatch gather (x's rows into the expert buffer) and the combine's backward (each slot's
+  dy is its token's incoming gradient times its routing weight) quantize as they read; the Triton
+  kernel writes no copy of the rows (the XLA form gathers them first). Rows are weighted in fp32, so
+  dy is rounded once, to E4M3."""
+  if resolve(impl, index.shape[0], src.shape[1], elements=max(index.shape[0], src.shape[0]) * src.shape[1]) == "triton":
     return _quantize_gathered_triton(src, index, weight, pow2)
   return quantize_gathered_xla(src, index, weight, pow2)
 
 
 def quantize_weights(w: jax.Array, pow2: bool = False, impl: str | None = None):
   """(G, K, N) -> (q (G, K, N), q^T (G, N, K), s (G, Kb, Nb)) with 128 x 128 blocks."""
-  if resolve(impl, *w.shape[1:]) == "triton":
+  if resolve(impl, *w.shape[1:], elements=w.size) == "triton":
     return _quantize_weights_triton(w, pow2)
   return quantize_weights_xla(w, pow2)
 

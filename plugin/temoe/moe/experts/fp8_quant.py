@@ -22,6 +22,7 @@ and an (experts x tiles) masked max, no scatter and no per-row expert lookup.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +109,8 @@ def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None) 
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
   (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`."""
   tile = tuple((block or TRITON_BLOCK)[:2])
-  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile)
+  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile,
+                            math.prod(shape) if shape else 0)
 
 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):

@@ -727,6 +727,11 @@ def pad_to(x, shape):
   return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
+def tile_rows(m: int) -> int:
+  """m rows rounded up to whole row tiles (what the FP8 copies and the bf16 operands are padded to)."""
+  return -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
+
+
 def tiled(v: int) -> int:
   return -(-v // FP8_TILE) * FP8_TILE
 
@@ -773,7 +778,7 @@ def _gmm(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
 def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
   m, k = x.shape
   n = w.shape[2]
-  mp = -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
+  mp = tile_rows(m)
   # empty arrays that carry x's and w's dtypes and true dims to the backward (the FP8 copies are padded)
   protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
   if scaling == "current":

@@ -49,6 +49,8 @@ def mlp(ctx, x: jax.Array, p: DispatchPlan, weights: jax.Array, wi: jax.Array, w
   quant / sms: as mosaic_gemm.grouped_matmul's."""
   dtype = jnp.dtype(ctx.dtype)
   top_k = weights.shape[1]
+  mosaic_gemm.check_shapes(wi.shape[1], wi.shape[2], "blockwise")
+  mosaic_gemm.check_shapes(wo.shape[1], wo.shape[2], "blockwise")
   sizes = p.padded_group_sizes
   gemm = (dtype, mosaic_gemm.GemmConfigs(), sms, quant)
   h = _gate_up(x.astype(dtype), wi.astype(dtype), sizes, p.choice_of_slot, p.slot_of_choice, top_k, *gemm)
@@ -66,12 +68,8 @@ def _slot_tokens(choice_of_slot, top_k: int, tokens: int, rows: int):
 
 def _slot_weights(choice_of_slot, weights, rows: int):
   """The routing weight of each of `rows` buffer rows in fp32 (0 for padding)."""
-  flat = jnp.concatenate([weights.reshape(-1).astype(jnp.float32), jnp.zeros((1,), jnp.float32)])
-  return jnp.pad(flat[choice_of_slot], (0, rows - choice_of_slot.shape[0]))
-
-
-def _tile_rows(rows: int) -> int:
-  return -(-rows // mosaic_gemm.ROW_ALIGNMENT) * mosaic_gemm.ROW_ALIGNMENT
+  flat = dispatch.take_with_zero_row(weights.reshape(-1, 1).astype(jnp.float32), choice_of_slot)[:, 0]
+  return jnp.pad(flat, (0, rows - choice_of_slot.shape[0]))
 
 
 # ------------------------------------------------------------------------ gate/up from the tokens
@@ -85,7 +83,7 @@ def _gate_up(x, wi, sizes, choice_of_slot, slot_of_choice, top_k, out_dtype, con
 def _gate_up_fwd(x, wi, sizes, choice_of_slot, slot_of_choice, top_k, out_dtype, configs, sms, quant):
   k, n = x.shape[1], wi.shape[2]
   rows = choice_of_slot.shape[0]
-  index = _slot_tokens(choice_of_slot, top_k, x.shape[0], _tile_rows(rows))
+  index = _slot_tokens(choice_of_slot, top_k, x.shape[0], mosaic_gemm.tile_rows(rows))
   xq4 = fp8_block.quantize_gathered(mosaic_gemm.pad_to(x, (x.shape[0], mosaic_gemm.tiled(k))), index, impl=quant)
   y, fp8_res = mosaic_gemm.blockwise_forward(xq4, wi, sizes, out_dtype, configs, sms, quant)
   return y[:rows, :n], (fp8_res, sizes, slot_of_choice, jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), wi.dtype))
@@ -98,8 +96,7 @@ def _gate_up_bwd(top_k, out_dtype, configs, sms, quant, res, dy):
   mp, np_ = fp8_res[0].shape[1], fp8_res[2].shape[2]  # x^T (Kp, Mp), w (G, Kp, Np)
   dyq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(dy, (mp, np_)), impl=quant)
   dxb, dw = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, x_proto.dtype, w_proto.dtype, configs, sms)
-  tokens = slot_of_choice.shape[0] // top_k
-  dx = dxb[slot_of_choice, :k].reshape(tokens, top_k, k).sum(axis=1, dtype=jnp.float32).astype(x_proto.dtype)
+  dx = dispatch.sum_choices(dxb[:, :k], slot_of_choice, slot_of_choice.shape[0] // top_k).astype(x_proto.dtype)
   return dx, dw[:, :k, :n], None, None, None
 
 
@@ -119,7 +116,7 @@ def _down_combine_fwd(h, wo, weights, sizes, choice_of_slot, slot_of_choice, flo
                       quant):
   rows, f = h.shape
   n = wo.shape[2]
-  hq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(h, (_tile_rows(rows), mosaic_gemm.tiled(f))), impl=quant)
+  hq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(h, (mosaic_gemm.tile_rows(rows), mosaic_gemm.tiled(f))), impl=quant)
   y, fp8_res = mosaic_gemm.blockwise_forward(hq4, wo, sizes, out_dtype, configs, sms, quant)
   y = parts.tag_down(y[:rows, :n])
   tokens, top_k = weights.shape
@@ -135,13 +132,12 @@ def _down_combine_bwd(float32_sum, out_dtype, configs, sms, quant, res, g):
   tokens, top_k = weights.shape
   mp = fp8_res[0].shape[1]
   index, weight_of_slot = _slot_tokens(choice_of_slot, top_k, tokens, mp), _slot_weights(choice_of_slot, weights, mp)
-  if not float32_sum:  # the unfused combine multiplies in the rows' dtype
-    g = g.astype(y.dtype)
+  del float32_sum  # dy = g * w in fp32, rounded once, to E4M3 (the unfused combine rounds it to bf16 first)
   dyq4 = fp8_block.quantize_gathered(mosaic_gemm.pad_to(g, (tokens, fp8_res[2].shape[2])), index, weight_of_slot,
                                      impl=quant)
   dh, dwo = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, h_proto.dtype, w_proto.dtype, configs, sms)
-  per_choice = y[slot_of_choice].reshape(tokens, top_k, n).astype(jnp.float32)
-  dweights = jnp.einsum("tkn,tn->tk", per_choice, g.astype(jnp.float32)).astype(weights.dtype)
+  per_choice = y[slot_of_choice].reshape(tokens, top_k, n).astype(jnp.float32)  # a multiply-reduce: exact fp32
+  dweights = jnp.sum(per_choice * g.astype(jnp.float32)[:, None, :], axis=-1).astype(weights.dtype)
   return dh[:y.shape[0], :f], dwo[:, :f, :n], dweights, None, None, None
 
 
