@@ -158,3 +158,21 @@ def test_the_local_exchange_takes_the_tokens_path_only_where_it_applies(monkeypa
   assert traced(RECIPE, False) == 0  # off until measured on a GPU
   assert traced("te_fp8_current", True) == 0
   assert traced(RECIPE, True, (None, None, bias)) == 0  # row biases: mosaic.mlp
+
+
+def test_maxtexts_remat_names_reach_the_policy(monkeypatch, capsys):
+  """moe_mlpwo is inside _down_combine's forward, moe_mlpwi_0/1 on _gate_up's output: a policy saving
+  two of the names saves exactly those two (and nothing else of the layer's own)."""
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=128)
+  p = dispatch.plan(jnp.zeros((TOKENS, TOP_K), jnp.int32).at[:, 1].set(2), EXPERTS, 128)
+
+  def layer(x, wi, wo, weights):
+    return jnp.sum(mosaic_tokens.mlp(ctx, x, p, weights, wi, wo).astype(jnp.float32))
+
+  policy = jax.checkpoint_policies.save_only_these_names("moe_mlpwo", "moe_mlpwi_0")
+  args = (jnp.ones((TOKENS, EMB), jnp.bfloat16), jnp.ones((EXPERTS, EMB, 2 * FFN), jnp.bfloat16),
+          jnp.ones((EXPERTS, FFN, EMB), jnp.bfloat16), jnp.ones((TOKENS, TOP_K)))
+  jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), *args)
+  named = [line for line in capsys.readouterr().out.splitlines() if " named " in line]
+  assert len(named) == 2 and any("'moe_mlpwo'" in n for n in named) and any("'moe_mlpwi_0'" in n for n in named), named
