@@ -63,11 +63,10 @@ def _layers(c) -> tuple[int, int, int]:
   if block not in MODELLED_BLOCKS:
     modelled = ", ".join(MODELLED_BLOCKS)
     raise NotImplementedError(f"temoe.tools.flops: decoder_block={block} is not modelled; modelled: {modelled}")
-  mtp = c.mtp_num_layers
-  dense = c.first_num_dense_layers if block == "deepseek" else 0
+  n = model_size.layers(c)
   if c.num_experts <= 1:
-    return c.num_decoder_layers + mtp, c.num_decoder_layers + mtp, 0
-  return c.num_decoder_layers + mtp, dense, c.num_decoder_layers - dense + mtp
+    return n.decoder + n.mtp, n.dense + n.mtp, 0
+  return n.decoder + n.mtp, n.dense, n.moe + n.mtp
 
 
 def _attention(c) -> tuple[int, int]:

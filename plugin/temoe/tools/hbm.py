@@ -34,6 +34,7 @@ import dataclasses
 import math
 
 from temoe.tools import hbm_activations as act
+from temoe.tools import model_size
 from temoe.tools.hbm_activations import GIB, Part, moe_rows, saved_activations, shapes
 
 
@@ -103,8 +104,9 @@ def block_of(keys: list[str]) -> str:
 
 
 def layer_counts(config) -> dict[str, int]:
-  dense = config.first_num_dense_layers
-  return {"dense_layers": dense, "moe_layers": config.num_decoder_layers - dense, "layers": config.num_decoder_layers}
+  """Layers per scanned block of MaxText's decoder (DeepSeek's: dense_layers, moe_layers; others: layers)."""
+  n = model_size.layers(config)
+  return {"dense_layers": n.dense, "moe_layers": n.moe, "layers": n.decoder}
 
 
 def state_parts(state, config) -> tuple[list[Part], dict]:

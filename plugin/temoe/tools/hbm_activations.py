@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 from temoe import recipes
+from temoe.tools import model_size
 
 GIB = 2**30
 
@@ -181,7 +182,7 @@ class Saved:
 def saved_activations(config, s: Shapes, rows: int, backend: str) -> Saved:
   """Bytes every layer keeps for the backward under the remat policy, all layers, split dense / MoE."""
   policy = remat_policy(config)
-  moe_layers = config.num_decoder_layers - config.first_num_dense_layers if config.num_experts > 1 else 0
+  moe_layers = model_size.layers(config).moe
   total, host, names = {False: 0.0, True: 0.0}, 0.0, set()
   for moe, count in ((False, config.num_decoder_layers - moe_layers), (True, moe_layers)):
     if count <= 0:

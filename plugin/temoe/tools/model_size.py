@@ -21,8 +21,32 @@ class ModelSize:
     return f"{self.total / 1e9:.1f}B parameters, {self.active / 1e9:.1f}B active per token"
 
 
-def _get(config, key):
-  return config[key] if isinstance(config, dict) else getattr(config, key)
+def _get(config, key, default=None):
+  if isinstance(config, dict):
+    return config[key] if default is None else config.get(key, default)
+  return getattr(config, key) if default is None else getattr(config, key, default)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+  """How MaxText's decoder splits its `decoder` layers into `dense` and `moe` ones; `mtp` modules apart."""
+
+  decoder: int
+  dense: int
+  moe: int
+  mtp: int
+
+
+def layers(config) -> Layers:
+  """The one count of a config's layers every estimate uses: MaxText's DeepSeek decoder makes its first
+  `first_num_dense_layers` dense, its other MoE decoders route every layer, a config without experts
+  is all dense."""
+  decoder, mtp = _get(config, "num_decoder_layers"), _get(config, "mtp_num_layers", 0)
+  if _get(config, "num_experts") <= 1:
+    return Layers(decoder, decoder, 0, mtp)
+  block = _get(config, "decoder_block", "deepseek")
+  dense = _get(config, "first_num_dense_layers") if getattr(block, "value", block) == "deepseek" else 0
+  return Layers(decoder, dense, decoder - dense, mtp)
 
 
 def mla_matmul_params(c) -> int:
@@ -50,14 +74,13 @@ def count(config) -> ModelSize:
   """Total and per-token parameters of a MaxText DeepSeek config (HyperParameters or a dict)."""
   c = config
   emb, experts = _get(c, "emb_dim"), _get(c, "num_experts")
-  layers, dense_layers = _get(c, "num_decoder_layers"), _get(c, "first_num_dense_layers")
+  split = layers(c)
   expert = mlp_params(c, _get(c, "moe_mlp_dim"))
   router = emb * experts  # the routed bias is state MaxText updates, not a trained parameter
   shared = mlp_params(c, _get(c, "moe_mlp_dim") * _get(c, "shared_experts"))
   per_layer = mla_params(c) + 2 * emb  # attention, pre-attention and pre-MLP norms
   embeddings = _get(c, "vocab_size") * emb * (1 if _get(c, "logits_via_embedding") else 2) + emb  # + final norm
-  common = layers * per_layer + dense_layers * mlp_params(c, _get(c, "mlp_dim")) + embeddings
-  moe_layers = layers - dense_layers
-  total = common + moe_layers * (experts * expert + router + shared)
-  active = common + moe_layers * (_get(c, "num_experts_per_tok") * expert + router + shared)
+  common = split.decoder * per_layer + split.dense * mlp_params(c, _get(c, "mlp_dim")) + embeddings
+  total = common + split.moe * (experts * expert + router + shared)
+  active = common + split.moe * (_get(c, "num_experts_per_tok") * expert + router + shared)
   return ModelSize(total=total, active=active)

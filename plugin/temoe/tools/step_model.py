@@ -345,7 +345,7 @@ def grouped_moe_seconds(job: Job, calib: cal.Calibration, path: str, tokens: flo
 
 
 def moe_layers(c) -> int:
-  return c.num_decoder_layers - c.first_num_dense_layers if c.num_experts > 1 else 0
+  return model_size.layers(c).moe
 
 
 def dense_moe_flops(job: Job, path: str, tokens: float, share: dict) -> float:
