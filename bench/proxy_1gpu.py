@@ -76,6 +76,9 @@ def saved_on_device(*names: str) -> list[str]:
 
 
 SAVE_MOE = saved_on_device(*MINIMAL_WITH_CONTEXT, *MOE_OUTPUTS)
+SAVE_QUANTIZED = "remat_policy=minimal_with_context_and_quantization"
+"""minimal_with_context plus MaxText's `quantization` name: its dense FP8 layers' quantized operands and
+temoe's expert GEMMs' FP8 copies are kept for the backward instead of quantized again."""
 SAVE_ALL = saved_on_device(*MINIMAL_WITH_CONTEXT, *MOE_OUTPUTS, *OTHER_NAMES)
 
 PATHS = {  # name -> (config, overrides, environment: False, True (the container env profile) or a dict)
@@ -91,6 +94,8 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),
     "temoe_fp8_autoattn": (SHIPPED, ["attention=autoselected"], False),
     "temoe_fp8_save_moe": (SHIPPED, SAVE_MOE, False),
+    "temoe_fp8_save_quant": (SHIPPED, [SAVE_QUANTIZED], False),  # FP8 copies kept, not quantized again
+    "stock_best_save_quant": (SHIPPED, [*STOCK_MOE, SAVE_QUANTIZED], False),
     "stock_best_save_moe": (SHIPPED, [*STOCK_MOE, *SAVE_MOE], False),
     "temoe_fp8_save_all": (SHIPPED, SAVE_ALL, False),
     "stock_best_save_all": (SHIPPED, [*STOCK_MOE, *SAVE_ALL], False),

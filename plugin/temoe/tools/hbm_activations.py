@@ -79,6 +79,7 @@ class Tensor:
 
   names: tuple[str, ...]
   elements: int  # per device
+  itemsize: float = 0.0  # bytes per element (scales included); 0: the activation dtype's
 
 
 def attention_tensors(config, s: Shapes) -> list[Tensor]:
@@ -123,9 +124,23 @@ def layer_tensors(config, s: Shapes, moe: bool, rows: int, backend: str) -> list
           Tensor(("mlpwo", "moe_mlpwo"), rows * s.emb)]
   if backend == "gmm":  # MaxText's own sparse path names its expert-sorted input
     out.append(Tensor(("moe_x_sorted",), rows * s.emb))
+  out += quantized_residuals(config, s, rows, backend)
   if c.shared_experts:
     out += mlp_tensors(s, c.shared_experts * c.moe_mlp_dim // s.tp)
   return out
+
+
+def quantized_residuals(config, s: Shapes, rows: int, backend: str) -> list[Tensor]:
+  """The FP8 copies temoe's Hopper kernels keep for a MoE layer's backward, named `quantization` as
+  MaxText names its own (moe/experts/parts.py): x^T and h^T, and wi and wo as stored, with their scales.
+  A 128 x 128 weight block's scale is 1/128 of the bytes of a 1 x 128 activation block's."""
+  q = operand_bytes(config, backend)
+  if backend != "mosaic" or not q:
+    return []
+  local, e, m = config.num_experts // s.ep, s.emb, config.moe_mlp_dim
+  weight_q = 1.0 + (q - 1.0) / 128
+  return [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), rows * m, q),
+          Tensor(("quantization",), local * e * 2 * m, weight_q), Tensor(("quantization",), local * m * e, weight_q)]
 
 
 def remat_policy(config):
@@ -176,6 +191,8 @@ class Saved:
   def part(self, config) -> Part:
     note = f"remat_policy={config.remat_policy}: {', '.join(self.names) or 'nothing'} per layer"
     host = f"; {self.host / GIB:.2f} GiB offloaded to host" if self.host else ""
+    if "quantization" in self.names:
+      note += " (quantization: the expert GEMMs' FP8 copies; MaxText's dense FP8 layers' own are not counted)"
     return Part("saved activations", self.dense + self.moe, note + host)
 
 
@@ -189,11 +206,12 @@ def saved_activations(config, s: Shapes, rows: int, backend: str) -> Saved:
       continue
     for tensor in layer_tensors(config, s, moe, rows, backend):
       where = kept(policy, tensor, config)
+      size = count * tensor.elements * (tensor.itemsize or s.act)
       if where == "device":
         names.add(tensor.names[0])
-        total[moe] += count * tensor.elements * s.act
+        total[moe] += size
       elif where == "host":
-        host += count * tensor.elements * s.act
+        host += size
   return Saved(total[False], total[True], host, tuple(sorted(names)))
 
 
@@ -260,16 +278,18 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   local = c.num_experts // s.ep
   e, m, a = s.emb, c.moe_mlp_dim, s.act
   q = operand_bytes(c, backend)
-  x_res, act_res = e * (q or a), m * (q or a)  # the residual operand of each GEMM's wgrad
   wi, wo = local * e * 2 * m, local * m * e  # expert weight elements
   policy = remat_policy(c)
   tensors = {t.names[-1]: kept(policy, t, c) for t in layer_tensors(c, s, True, rows, backend)}
+  kept_q = tensors.get("quantization") == "device"  # the FP8 residuals are saved ones, counted there
+  x_res, act_res = (0, 0) if kept_q else (e * (q or a), m * (q or a))  # the residual operand of each GEMM's wgrad
+  res_w = 0 if kept_q else 1
   gate_up = 2 * m * a if "remat" in (tensors["moe_mlpwi_0"], tensors["moe_mlpwi_1"]) else 0  # recomputed
   recomputed = gate_up + (e * a if tensors["moe_mlpwo"] == "remat" else 0)
   steps = {
       "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + q * (2 * wi + wo),
-      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + q * (wi + wo),
-      "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + q * wi,
+      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + res_w * q * (wi + wo),
+      "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + res_w * q * wi,
   }
   step, biggest = max(steps.items(), key=lambda kv: kv[1])
   always = s.tokens * c.num_experts * 4 * 3 + 4 * (3 * routed + rows)  # router scores, dispatch maps

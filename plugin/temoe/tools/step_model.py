@@ -703,7 +703,7 @@ def host_offload(job: Job, gpu, tokens, act, layer_compute) -> list[Collective]:
   total = 0.0
   for moe, count in ((False, c.num_decoder_layers - moe_layers(c)), (True, moe_layers(c))):
     tensors = act_model.layer_tensors(c, shapes, moe, int(tokens * c.num_experts_per_tok), job.backend)
-    total += count * sum(t.elements for t in tensors if act_model.kept(policy, t, c) == "host") * act
+    total += count * sum(t.elements * (t.itemsize or act) for t in tensors if act_model.kept(policy, t, c) == "host")
   moved = 2 * total
   seconds = moved / (gpu.host_gbps * 1e9 * LINK_EFFICIENCY["host"])
   return [Collective("host offload (D2H + H2D)", moved, 1, "host", seconds, max(0.0, seconds - layer_compute),

@@ -57,7 +57,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from temoe import recipes
-from temoe.moe.experts import fp8_block, fp8_quant
+from temoe.moe.experts import fp8_block, fp8_quant, parts
 
 ROW_ALIGNMENT = 128  # groups padded to multiples of this; tiles never straddle two experts
 
@@ -790,7 +790,7 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
     y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
-    res = (xqt, sx, wq, sw, group_sizes, *protos)
+    res = (*parts.tag_quantized(xqt, sx, wq, sw), group_sizes, *protos)
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
@@ -843,7 +843,7 @@ def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms,
   g, k, n = w.shape
   wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, tiled(k), tiled(n))), impl=quant)
   y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw))
-  return y, (xqt, sxt, wq, sw)
+  return y, parts.tag_quantized(xqt, sxt, wq, sw)
 
 
 def blockwise_backward(res, dyq4, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms):

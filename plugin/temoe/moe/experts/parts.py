@@ -1,6 +1,6 @@
 """What every expert kernel shares around its GEMMs: MaxText's fused [gate | up] layout, row biases,
-and MaxText's remat names (moe_mlpwi_0/1, moe_mlpwo), so MaxText's `remat_policy` and offload
-settings apply to temoe's block as they do to MaxText's own."""
+and MaxText's remat names (moe_mlpwi_0/1, moe_mlpwo, and `quantization` on FP8 residuals), so MaxText's
+`remat_policy` and offload settings apply to temoe's block as they do to MaxText's own."""
 
 from __future__ import annotations
 
@@ -26,6 +26,16 @@ def tag_up(w0: jax.Array, w1: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def tag_down(y: jax.Array) -> jax.Array:
   return checkpoint_name(checkpoint_name(y, "mlpwo"), "moe_mlpwo")
+
+
+QUANTIZED = "quantization"
+"""MaxText's remat name for quantized GEMM operands (its Transformer Engine layers name theirs so): its
+`*_with_quantization` policies keep them for the backward instead of quantizing again."""
+
+
+def tag_quantized(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The FP8 copies (and their scales) a GEMM keeps for its backward, named as MaxText names its own."""
+  return tuple(checkpoint_name(a, QUANTIZED) for a in arrays)
 
 
 def gated_mlp(

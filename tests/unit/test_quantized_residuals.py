@@ -1,0 +1,58 @@
+"""temoe's FP8 residuals carry MaxText's `quantization` remat name: its *_with_quantization policies
+keep them (instead of quantizing again in the backward) as they keep its own layers', and the memory
+plan counts exactly what JAX then saves (traced on CPU; the Mosaic GPU kernels are not run)."""
+
+from __future__ import annotations
+
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from temoe.moe import dispatch
+from temoe.moe.context import MoEContext
+from temoe.moe.experts import mosaic, mosaic_gemm
+from temoe.tools import hbm_activations
+
+EXPERTS, EMB, FFN, TOKENS, TOP_K = 4, 256, 128, 96, 2
+
+
+def saved_lines(recipe: str, names: tuple[str, ...], capsys) -> list[str]:
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128)
+  p = dispatch.plan(jnp.asarray(np.arange(TOKENS * TOP_K).reshape(TOKENS, TOP_K) % EXPERTS, jnp.int32), EXPERTS, 128)
+
+  def layer(x, wi, wo):
+    y = mosaic.mlp(ctx, dispatch.dispatch(x, p, TOP_K), p, wi, wo, (None, None, None), None)
+    return jnp.sum(y.astype(jnp.float32) ** 2)
+
+  args = (jnp.ones((TOKENS, EMB), jnp.bfloat16), jnp.ones((EXPERTS, EMB, 2 * FFN), jnp.bfloat16),
+          jnp.ones((EXPERTS, FFN, EMB), jnp.bfloat16))
+  policy = jax.checkpoint_policies.save_only_these_names(*names)
+  jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), *args)
+  return capsys.readouterr().out.splitlines(), p.buffer_rows
+
+
+ITEMSIZE = {"f8_e4m3fn": 1, "f8_e5m2": 1, "bf16": 2, "f32": 4}
+
+
+def nbytes(line: str) -> int:
+  dtype, shape = re.match(r"(\w+)\[([\d,]*)\]", line).groups()
+  return int(np.prod([int(d) for d in shape.split(",") if d])) * ITEMSIZE[dtype]
+
+
+@pytest.mark.parametrize("recipe", ["te_fp8_current", "te_fp8_blockwise"])
+def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(recipe, monkeypatch, capsys):
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys)
+  quantized = [line for line in lines if "named 'quantization'" in line]
+  assert len(quantized) == 8 and sum("f8_e4m3fn" in line for line in quantized) == 4  # x^T, wi, h^T, wo + scales
+  config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=FFN, te_gmm_quantization=recipe)
+  shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=EMB, tp=1, ep=1, act=2)
+  planned = sum(t.elements * t.itemsize for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic"))
+  assert planned == pytest.approx(sum(map(nbytes, quantized)), rel=1e-3)
+  without, _ = saved_lines(recipe, ("mlpwi_0", "mlpwo"), capsys)  # minimal_with_context: quantized again
+  assert not [line for line in without if "f8_e4m3fn" in line or "'quantization'" in line]
+  assert hbm_activations.quantized_residuals(config, shapes, rows, "xla") == []
