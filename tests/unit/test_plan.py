@@ -141,3 +141,16 @@ def test_cli_plans_the_smoke_config_and_reports_a_miss():
   assert fits.returncode == 0 and "fits" in fits.stdout, fits.stderr[-2000:]
   miss = run_temoe("plan", SMOKE, "--hbm-gib", "0.001")
   assert miss.returncode == 1, miss.stderr[-2000:]
+
+
+def test_remat_policy_none_recomputes_scanned_layers_and_keeps_unscanned_ones():
+  """MaxText wraps each scanned layer in jax.checkpoint with the policy `none` names (None: nothing
+  saved), and calls unscanned layers without remat (nnx_decoders)."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
+
+  for scanned, where in ((True, "remat"), (False, "device")):
+    config = types.SimpleNamespace(remat_policy="none", scan_layers=scanned)
+    assert hbm_activations.placement(None, "mlpwo", config) == where
+    assert hbm_activations.placement(None, "decoder_layer_input", config) == "device"

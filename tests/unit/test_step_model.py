@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT
 from temoe import hardware
 from temoe.deploy import doctor, env, hazards
-from temoe.tools import calibration, plan, step_model
+from temoe.tools import calibration, model_size, plan, step_model
 
 PROXY_8GPU = str(ROOT / "configs" / "deepseek3-proxy-8gpu.yml")
 PROXY_1GPU = str(ROOT / "configs" / "deepseek3-proxy-1gpu.yml")
@@ -71,7 +71,7 @@ def test_the_expert_exchange_is_priced_from_the_exchange_volume_and_never_hidden
   from temoe.tools import exchange_volume  # pylint: disable=import-outside-toplevel
 
   volume = exchange_volume.config_volumes(p.config, p.mesh)["dedup"]
-  layers = p.config.num_decoder_layers - p.config.first_num_dense_layers
+  layers = model_size.layers(p.config).moe
   recompute = 1 if step_model.recomputed_share(p.config, step_model.placements_of(p.config))["gate_up"] else 0
   sent = layers * (volume.bytes + recompute * volume.bytes_forward / 2)
   assert a2a.bytes == pytest.approx(sent * 7 / 8, rel=1e-3)  # a device's rows to itself stay

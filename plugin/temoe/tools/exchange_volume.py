@@ -17,6 +17,8 @@ import math
 
 import numpy as np
 
+from temoe.tools import model_size
+
 
 def modelled_distinct_ranks(num_experts: int, top_k: int, ep_size: int, groups: int = 1, topk_group: int = 1) -> float:
   """E[distinct ranks per token] when a token's topk_group groups (of `groups` equal ones; 1 for no
@@ -97,7 +99,7 @@ def summary_lines(config, mesh) -> list[str]:
   ep = ep_size_of(mesh)
   if ep == 1 or config.num_experts <= 1:
     return ["  expert all-to-all: none (no expert-parallel axis)"]
-  layers = (config.num_decoder_layers - config.first_num_dense_layers) * max(config.gradient_accumulation_steps, 1)
+  layers = model_size.layers(config).moe * max(config.gradient_accumulation_steps, 1)
   distinct = modelled_distinct_ranks(config.num_experts, config.num_experts_per_tok, ep,
                                      config.n_routing_groups, config.topk_routing_group)
   v = config_volumes(config, mesh, distinct)

@@ -104,9 +104,10 @@ def block_of(keys: list[str]) -> str:
 
 
 def layer_counts(config) -> dict[str, int]:
-  """Layers per scanned block of MaxText's decoder (DeepSeek's: dense_layers, moe_layers; others: layers)."""
-  n = model_size.layers(config)
-  return {"dense_layers": n.dense, "moe_layers": n.moe, "layers": n.decoder}
+  """Layers per scanned block of MaxText's decoder: DeepSeek's builds dense_layers then moe_layers
+  (whatever the expert count), the others one `layers` block."""
+  dense = config.first_num_dense_layers
+  return {"dense_layers": dense, "moe_layers": config.num_decoder_layers - dense, "layers": config.num_decoder_layers}
 
 
 def state_parts(state, config) -> tuple[list[Part], dict]:
@@ -174,7 +175,7 @@ def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estima
   state = abstract_state(config, mesh)
   resident, sums = state_parts(state, config)
   s = shapes(config, mesh)
-  moe = config.num_experts > 1 and config.num_decoder_layers > config.first_num_dense_layers
+  moe = model_size.layers(config).moe > 0
   rows = moe_rows(config, s, backend)[1] if moe else 0
   saved = saved_activations(config, s, rows, backend)
   resident.append(saved.part(config))

@@ -137,7 +137,8 @@ def quantized_residuals(config, s: Shapes, rows: int, backend: str) -> list[Tens
   q = operand_bytes(config, backend)
   if backend != "mosaic" or not q:
     return []
-  local, e, m = config.num_experts // s.ep, s.emb, config.moe_mlp_dim
+  tile = lambda n: -(-n // 128) * 128  # noqa: E731  # the copies are padded to whole 128-element tiles
+  local, e, m = config.num_experts // s.ep, tile(s.emb), tile(config.moe_mlp_dim)
   weight_q = 1.0 + (q - 1.0) / 128
   return [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), rows * m, q),
           Tensor(("quantization",), local * e * 2 * m, weight_q), Tensor(("quantization",), local * m * e, weight_q)]
@@ -163,8 +164,8 @@ def placement(policy, name: str, config) -> str:
   """Where the policy keeps a named tensor: 'device', 'host' or 'remat' (recomputed)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  if config.remat_policy == "none":
-    return "device"
+  if config.remat_policy == "none" and not getattr(config, "scan_layers", True):  # unscanned layers: no jax.checkpoint at all
+    return "device"  # (scanned ones are wrapped with policy None: everything recomputed)
   decision = policy(_name_primitive(), jax.ShapeDtypeStruct((1,), "float32"), name=name) if policy else False
   if hasattr(decision, "dst"):  # an Offloadable(src, dst) decision (jax.checkpoint_policies' offload policies)
     return "host" if decision.dst == "pinned_host" else "device"

@@ -21,10 +21,13 @@ class ModelSize:
     return f"{self.total / 1e9:.1f}B parameters, {self.active / 1e9:.1f}B active per token"
 
 
-def _get(config, key, default=None):
+_REQUIRED = object()
+
+
+def _get(config, key, default=_REQUIRED):
   if isinstance(config, dict):
-    return config[key] if default is None else config.get(key, default)
-  return getattr(config, key) if default is None else getattr(config, key, default)
+    return config[key] if default is _REQUIRED else config.get(key, default)
+  return getattr(config, key) if default is _REQUIRED else getattr(config, key, default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +41,9 @@ class Layers:
 
 
 def layers(config) -> Layers:
-  """The one count of a config's layers every estimate uses: MaxText's DeepSeek decoder makes its first
-  `first_num_dense_layers` dense, its other MoE decoders route every layer, a config without experts
-  is all dense."""
+  """The one count of a config's dense-MLP and MoE layers every estimate uses: MaxText's DeepSeek
+  decoder makes its first `first_num_dense_layers` dense, its other MoE decoders route every layer, a
+  config without experts has dense MLPs only (how the decoder scans them: hbm.layer_counts)."""
   decoder, mtp = _get(config, "num_decoder_layers"), _get(config, "mtp_num_layers", 0)
   if _get(config, "num_experts") <= 1:
     return Layers(decoder, decoder, 0, mtp)

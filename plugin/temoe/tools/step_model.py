@@ -237,7 +237,7 @@ def placements_of(config) -> dict[str, str]:
   policy = act.remat_policy(config)
   names = ("query_wa_proj", "mla_q", "query_proj", "key_proj", "value_proj", "qkv_proj", "kv_proj", "kv_wa_proj",
            "mla_kv", "out_proj", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "moe_mlpwi_0", "moe_mlpwi_1",
-           "moe_mlpwo", "decoder_layer_input", "attention_out")
+           "moe_mlpwo", "decoder_layer_input", "attention_out", "quantization")
   return {n: act.placement(policy, n, config) for n in names}
 
 
