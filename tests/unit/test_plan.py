@@ -150,7 +150,8 @@ def test_remat_policy_none_recomputes_scanned_layers_and_keeps_unscanned_ones():
 
   from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
 
-  for scanned, where in ((True, "remat"), (False, "device")):
-    config = types.SimpleNamespace(remat_policy="none", scan_layers=scanned)
-    assert hbm_activations.placement(None, "mlpwo", config) == where
-    assert hbm_activations.placement(None, "decoder_layer_input", config) == "device"
+  for name in ("none", None):  # MaxText's config holds None for "none"
+    for scanned, where in ((True, "remat"), (False, "device")):
+      config = types.SimpleNamespace(remat_policy=name, scan_layers=scanned)
+      assert hbm_activations.placement(None, "mlpwo", config) == where
+      assert hbm_activations.placement(None, "decoder_layer_input", config) == "device"
