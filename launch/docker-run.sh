@@ -34,16 +34,19 @@ shift
 restarts=0
 stopping=0
 pid=
-trap 'stopping=1; interrupted=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
+trap 'stopping=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
 while :; do
   docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" &
   pid=$!
-  while :; do
-    interrupted=0
-    status=0
-    wait "$pid" || status=$?
-    [ "$interrupted" -eq 1 ] && [ "$status" -gt 128 ] || break  # else a trapped signal ended the wait, not docker
+  # Wait without letting a trapped signal cut `wait "$pid"` short: bash 5.2 may then lose docker's status
+  # (a second wait returned -1, i.e. exit 255). Short sleeps take the signals; docker's own status is
+  # collected once it has exited.
+  while kill -0 "$pid" 2>/dev/null; do
+    sleep 1 &
+    wait $! || true
   done
+  status=0
+  wait "$pid" || status=$?
   pid=
   if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ] || [ "$restarts" -ge "$max_restarts" ]; then
     exit "$status"
