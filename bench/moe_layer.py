@@ -7,8 +7,8 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
   gpt_oss_like    2880 / 2880 / 128 / 8192 x 4  dims that are not multiples of 128
   small_dsv3      1024 /  512 / 32 / 8192 x 8   the small DeepSeek-V3-shaped model's layer
 Paths per shape, each measured in this process: temoe FP8 with DeepSeek-V3's block scales
-(`temoe_fp8_blockwise`, recipe te_fp8_blockwise; `temoe_fp8_blockwise_fused` with dispatch's gather and
-combine's backward fused into its quantizers: mosaic_tokens), temoe FP8 on its Hopper kernels (`mosaic`, with
+(`temoe_fp8_blockwise`, recipe te_fp8_blockwise, with dispatch's gather and combine's backward fused
+into its quantizers: mosaic_tokens; `temoe_fp8_blockwise_unfused` through a bf16 buffer), temoe FP8 on its Hopper kernels (`mosaic`, with
 fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
@@ -47,7 +47,7 @@ SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
 }
 PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8_blockwise": ("mosaic", "te_fp8_blockwise"),
-    "temoe_fp8_blockwise_fused": ("mosaic", "te_fp8_blockwise"),
+    "temoe_fp8_blockwise_unfused": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
@@ -55,7 +55,7 @@ PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "tokamax_bf16": ("tokamax", "te_no_quant"),
 }
 QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
-FUSED = {"temoe_fp8_blockwise_fused"}  # mosaic_tokens.FUSED: dispatch's gather and combine's backward quantize
+UNFUSED = {"temoe_fp8_blockwise_unfused"}  # mosaic_tokens.FUSED off: dispatch -> bf16 buffer -> mosaic.mlp
 
 
 def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
@@ -232,7 +232,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       "load_max_over_mean": float(loads.max() / loads.mean()), "empty_experts": int((loads == 0).sum()),
       "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
-  default_quant = fp8_quant.DEFAULT_IMPL
+  default_quant, fused_default = fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED
   if errors:  # the float32 layer on the same routing and the same (bf16-valued) inputs
     ref = float32_layer_vjp(ids, weights, experts, top_k, int(loads.max()))(*(a.astype(jnp.float32) for a in (x, wi, wo, cot)))
     out["errors"] = {}
@@ -240,7 +240,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
     kernel, recipe = PATHS[path]
     ctx = context(kernel, recipe, experts, top_k)
     fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # both read when the path is traced
-    mosaic_tokens.FUSED = path in FUSED
+    mosaic_tokens.FUSED = path not in UNFUSED
     try:
       fn = layer_fwdbwd(ctx, ids, weights)
       seconds = timed(fn, x, wi, wo, cot, iters=iters)
@@ -265,7 +265,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       out[f"{path}_error"] = error_text(exc)
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
           out.get("errors", {}).get(path), flush=True)
-  fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED = default_quant, False
+  fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED = default_quant, fused_default
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
   cd = jax.random.normal(kc, (rows, 2 * ffn), jnp.float32)

@@ -28,6 +28,7 @@ RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
 PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.paths.json", "proxy_1gpu.variants.json",
+               "proxy_1gpu.recipes.json",
                "proxy_1gpu.run2-allpaths.json")
 EXCLUDED = {
     ("proxy_1gpu.run2-allpaths.json", "temoe_fp8"): (

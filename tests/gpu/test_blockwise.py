@@ -127,7 +127,7 @@ def test_triton_gathered_quantizer_matches_xla(record_property):
       assert g.shape == e.shape and differ <= 1e-3, (g.shape, differ)
 
 
-def test_tokens_mlp_fused_matches_the_unfused_layer(monkeypatch, record_property):
+def test_tokens_mlp_fused_matches_the_unfused_layer(record_property):
   """mosaic_tokens (the local exchange's fused path) against dispatch -> mosaic.mlp -> combine on the
   GPU: the forward to the bit, the gradients within the recipe's bound of each other and of float32."""
   from temoe.moe import dispatch  # pylint: disable=import-outside-toplevel
@@ -153,11 +153,14 @@ def test_tokens_mlp_fused_matches_the_unfused_layer(monkeypatch, record_property
 
   def grads(fn, *args):
     out, vjp = jax.vjp(fn, *args)
-    return [f32(a) for a in (out, *vjp(cot.astype(out.dtype)))]
+    return (out, *vjp(cot.astype(out.dtype)))
 
-  got = jax.jit(lambda *a: grads(lambda x, wi, wo, w: mosaic_tokens.mlp(ctx, x, p, w, wi, wo), *a))(x, wi, wo, weights)
-  same = jax.jit(lambda *a: grads(unfused(ctx, mosaic.mlp), *a))(x, wi, wo, weights)
-  ref = jax.jit(lambda *a: grads(unfused(f32ctx, xla.mlp), *a))(*(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
+  def run(fn, *args):  # compiled, then brought to the host as float32
+    return [f32(a) for a in jax.jit(lambda *a: grads(fn, *a))(*args)]
+
+  got = run(lambda x, wi, wo, w: mosaic_tokens.mlp(ctx, x, p, w, wi, wo), x, wi, wo, weights)
+  same = run(unfused(ctx, mosaic.mlp), x, wi, wo, weights)
+  ref = run(unfused(f32ctx, xla.mlp), *(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
   np.testing.assert_array_equal(got[0], same[0])
   for name, g, s, r in zip(("out", "dx", "dwi", "dwo", "dweights"), got, same, ref):
     assert np.isfinite(g).all(), name
