@@ -48,7 +48,9 @@ def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(r
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
   lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys)
   quantized = [line for line in lines if "named 'quantization'" in line]
-  assert len(quantized) == 8 and sum("f8_e4m3fn" in line for line in quantized) == 4  # x^T, wi, h^T, wo + scales
+  # the backward's x^T, wi, h^T, wo and the recomputed gate/up GEMM's x, wi^T (for its up half), with scales
+  scales = {"te_fp8_current": 4, "te_fp8_blockwise": 5}[recipe]  # per-expert ones are shared by x and x^T
+  assert sum("f8_e4m3fn" in line for line in quantized) == 6 and len(quantized) == 6 + scales
   config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=FFN, te_gmm_quantization=recipe)
   shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=EMB, tp=1, ep=1, act=2)
   planned = sum(t.elements * t.itemsize for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic"))

@@ -132,16 +132,20 @@ def layer_tensors(config, s: Shapes, moe: bool, rows: int, backend: str) -> list
 
 def quantized_residuals(config, s: Shapes, rows: int, backend: str) -> list[Tensor]:
   """The FP8 copies temoe's Hopper kernels keep for a MoE layer's backward, named `quantization` as
-  MaxText names its own (moe/experts/parts.py): x^T and h^T, and wi and wo as stored, with their scales.
-  A 128 x 128 weight block's scale is 1/128 of the bytes of a 1 x 128 activation block's."""
+  MaxText names its own (moe/experts/parts.py): x^T and h^T, and wi and wo as stored, with their scales
+  (what the backward reads), and x and wi^T (what the recomputed gate/up GEMM reads: every MaxText policy
+  that keeps `quantization` recomputes it for its up half, moe_mlpwi_1; the down GEMM's output, mlpwo,
+  is kept, so h and wo^T are not). A 128 x 128 weight block's scale is 1/128 of the bytes of a 1 x 128
+  activation block's; w and w^T share theirs."""
   q = operand_bytes(config, backend)
   if backend != "mosaic" or not q:
     return []
   tile = lambda n: -(-n // 128) * 128  # noqa: E731  # the copies are padded to whole 128-element tiles
   local, e, m = config.num_experts // s.ep, tile(s.emb), tile(config.moe_mlp_dim)
   weight_q = 1.0 + (q - 1.0) / 128
-  return [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), rows * m, q),
-          Tensor(("quantization",), local * e * 2 * m, weight_q), Tensor(("quantization",), local * m * e, weight_q)]
+  backward = [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), rows * m, q),
+              Tensor(("quantization",), local * e * 2 * m, weight_q), Tensor(("quantization",), local * m * e, weight_q)]
+  return backward + [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), local * e * 2 * m, 1.0)]
 
 
 def remat_policy(config):

@@ -787,10 +787,12 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
     # The copies are padded to whole 128-element tiles in K and N.
     xp, wp = pad_to(x, (mp, tiled(k))), pad_to(w, (w.shape[0], tiled(k), tiled(n)))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
+    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
+    xq, xqt, sx, wq, wqt, sw = parts.tag_quantized(xq, xqt, sx, wq, wqt, sw)
     y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
-    res = (*parts.tag_quantized(xqt, sx, wq, sw), group_sizes, *protos)
+    res = (xqt, sx, wq, sw, group_sizes, *protos)
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
@@ -839,11 +841,12 @@ def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms,
   (q, s, q^T, s^T) of x zero-padded to (whole tiles of rows, whole 128s of K) (or quantize_gathered's,
   whose producer quantized them as it read). Returns (y (Mp, Np), the residuals `blockwise_backward`
   takes: x^T and its 128 x 1 scales for wgrad, w as stored and its 128 x 128 scales for dgrad)."""
-  xq, sx, xqt, sxt = xq4
   g, k, n = w.shape
   wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, tiled(k), tiled(n))), impl=quant)
+  # every FP8 copy named `quantization`, those the forward reads too (see _gmm_fwd)
+  xq, sx, xqt, sxt, wq, wqt, sw = parts.tag_quantized(*xq4, wq, wqt, sw)
   y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw))
-  return y, parts.tag_quantized(xqt, sxt, wq, sw)
+  return y, (xqt, sxt, wq, sw)
 
 
 def blockwise_backward(res, dyq4, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms):

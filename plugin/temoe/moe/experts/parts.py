@@ -34,7 +34,9 @@ QUANTIZED = "quantization"
 
 
 def tag_quantized(*arrays: jax.Array) -> tuple[jax.Array, ...]:
-  """The FP8 copies (and their scales) a GEMM keeps for its backward, named as MaxText names its own."""
+  """A GEMM's FP8 copies and their scales, named as MaxText names its own: those its backward reads and
+  those its forward reads, so a policy that keeps them also spares a recomputed forward its quantization
+  (minimal_with_context recomputes the gate/up GEMM for its up half)."""
   return tuple(checkpoint_name(a, QUANTIZED) for a in arrays)
 
 
