@@ -282,23 +282,24 @@ def fit_h200(data: dict) -> dict:
   variants = read("proxy_1gpu.variants.json")["paths"]
   run2 = read("proxy_1gpu.run2-allpaths.json")["paths"]
   fitted = step_model.fit_profile(
-      data, gpu, proxy_job("temoe_fp8"), read("profile/temoe_fp8.json"), variants["temoe_fp8"]["step_time_s"],
+      data, gpu, proxy_job("temoe_fp8", "proxy_1gpu.variants.json"), read("profile/temoe_fp8.json"), variants["temoe_fp8"]["step_time_s"],
       ["bench/results/profile/temoe_fp8.json", "bench/results/proxy_1gpu.variants.json paths.temoe_fp8.step_time_s "
        "(the profile's device call)"], ["temoe_fp8"])
   return step_model.fit_profile(
-      {**data, "fitted": fitted}, gpu, proxy_job("tokamax_gmm"), read("profile/tokamax_gmm.json"),
+      {**data, "fitted": fitted}, gpu, proxy_job("tokamax_gmm", "proxy_1gpu.run2-allpaths.json"), read("profile/tokamax_gmm.json"),
       run2["tokamax_gmm"]["step_time_s"], ["bench/results/profile/tokamax_gmm.json",
                                            "bench/results/proxy_1gpu.run2-allpaths.json paths.tokamax_gmm.step_time_s"],
       ["tokamax_gmm"], core_only=True)
 
 
-def proxy_job(path: str):
-  """The step model's job for bench/proxy_1gpu.py's path `path`, planned here for one H200."""
+def proxy_job(path: str, measured_in: str | None = None):
+  """The step model's job for bench/proxy_1gpu.py's path `path`, planned here for one H200 (with the config
+  as result file `measured_in` ran it: proxy_1gpu.as_measured)."""
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
   from temoe.tools import plan, step_model  # pylint: disable=import-outside-toplevel
 
-  args = proxy_1gpu.args_of(path)
+  args = proxy_1gpu.args_of(path, measured_in=measured_in)
   p = plan.make_plan(args[0], args[1:], gpu="h200", hbm_gib=141)
   ici, dcn = plan.mesh_split(p.config, 1)
   return step_model.job_of(p.config, ici, dcn, 1, p.backend, p.quantization, p.estimate)

@@ -23,9 +23,9 @@ TARGET = 0.05
 """How close the issue's target wants every estimate to its measured peak."""
 
 
-def measured_peaks(results: str) -> dict:
-  """path -> peak GiB from proxy_1gpu.py result files or this script's own (its `rows`); the first
-  file holding a measured peak for a path wins; files not there are skipped."""
+def measured_with_sources(results: str) -> dict:
+  """path -> (peak GiB, the file it came from) from proxy_1gpu.py result files or this script's own (its
+  `rows`); the first file holding a measured peak for a path wins; files not there are skipped."""
   out = {}
   for path in reversed([r for r in results.split(",") if r and pathlib.Path(r).exists()]):
     result = json.loads(pathlib.Path(path).read_text())
@@ -33,8 +33,13 @@ def measured_peaks(results: str) -> dict:
       peaks = {r["path"]: r.get("measured_gib") for r in result["rows"]}
     else:
       peaks = {k: v.get("peak_hbm_gib") for k, v in result["paths"].items()}
-    out.update({k: v for k, v in peaks.items() if v})
+    out.update({k: (v, path) for k, v in peaks.items() if v})
   return out
+
+
+def measured_peaks(results: str) -> dict:
+  """path -> peak GiB (`measured`)."""
+  return {k: v for k, (v, _) in measured_with_sources(results).items()}
 
 
 def main() -> int:
@@ -59,6 +64,7 @@ def main() -> int:
   runs = args.paths.split(",")
   for run in runs:
     proxy_1gpu.split_name(run)  # unknown paths: one line naming the choices, before anything runs
+  sources = {} if args.measure else {k: f for k, (_, f) in measured_with_sources(args.results).items()}
   measured = {} if args.measure else measured_peaks(args.results)
   workdir = tempfile.mkdtemp(prefix="plan-check-")
   worst, rows = 0.0, []
@@ -72,7 +78,7 @@ def main() -> int:
       if not measured[run]:
         print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")
     peak = measured.get(run)
-    maxtext_args = proxy_1gpu.args_of(run, args.smoke)
+    maxtext_args = proxy_1gpu.args_of(run, args.smoke, sources.get(run))  # the config as the peak's run had it
     p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
     print(plan.table(p))
     estimate = p.estimate.peak / 2**30

@@ -11,10 +11,13 @@ DeepSeek-V3's block scales), `temoe_fp8_te` (FP8 expert
 GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s container profile),
 `temoe_fp8_graphs` (XLA's command-buffer list, i.e. CUDA graphs, set explicitly without CONDITIONAL;
 every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`,
-`temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, the remat variants that keep more of a layer for the
+`temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, `*_scan0` (`param_scan_axis=0`: the scanned weights stored layers
+first, so the scan reads each layer's slice in place; with MaxText's default 1 the step copies the expert
+weights into that order), the remat variants that keep more of a layer for the
 backward (`*_save_moe`: minimal_with_context plus the MoE GEMM outputs MaxText names moe_mlpwi_0/1 and
 moe_mlpwo, which minimal_with_context recomputes in part: it names the gate half mlpwi_0 but not the
-up half; `*_save_all`: every tensor MaxText names; remat_policy=none is no variant here: MaxText
+up half; the shipped config's policy since it measured faster, so `temoe_fp8_save_moe` / `stock_best_save_moe`
+now run the shipped config and stock_best; `*_save_all`: every tensor MaxText names; remat_policy=none is no variant here: MaxText
 wraps each scanned layer in jax.checkpoint with the policy it names, and none names no policy, i.e.
 saves nothing, as full does), the memory plan's checks (`temoe_fp8_batch4`: twice the batch;
 `*_experts64`: twice the experts), and the stock paths as committed before (`tokamax_gmm`, `native_ragged`, `capacity_1.25`: autoselected attention, remat full).
@@ -99,6 +102,8 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "stock_best_save_moe": (SHIPPED, [*STOCK_MOE, *SAVE_MOE], False),
     "temoe_fp8_save_all": (SHIPPED, SAVE_ALL, False),
     "stock_best_save_all": (SHIPPED, [*STOCK_MOE, *SAVE_ALL], False),
+    "temoe_fp8_scan0": (SHIPPED, ["param_scan_axis=0"], False),  # layers first: no transposed copy per step
+    "stock_best_scan0": (SHIPPED, [*STOCK_MOE, "param_scan_axis=0"], False),
     "temoe_fp8_batch4": (SHIPPED, ["per_device_batch_size=4"], False),  # memory-plan checks: twice the tokens,
     "temoe_fp8_experts64": (SHIPPED, ["override_model_config=true", "num_experts=64"], False),  # twice the experts
     "stock_best_experts64": (SHIPPED, [*STOCK_MOE, "override_model_config=true", "num_experts=64"], False),
@@ -131,15 +136,34 @@ def run_name(path: str, layers: int) -> str:
   return path if layers == BASE_LAYERS else f"{path}@{layers}"
 
 
-def args_of(run: str, smoke: bool = False) -> list[str]:
-  """MaxText's arguments for `run` ('path' or 'path@layers'): its config file, then key=value overrides."""
+SHIPPED_BEFORE = {  # result file -> the shipped config's settings then that it has no longer
+    **dict.fromkeys(
+        ("proxy_1gpu.scan1.json", "proxy_1gpu.paths.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.variants.json",
+         "proxy_1gpu.recipes.json", "proxy_1gpu.tagging.json", "proxy_1gpu.blockwise.json",
+         "proxy_1gpu.run2-allpaths.json", "plan_check.measured.json"),
+        ("remat_policy=minimal_with_context", "param_scan_axis=1")),
+    **dict.fromkeys(("proxy_1gpu.scan0.json", "proxy_1gpu.scan0-shipped.json"), ("remat_policy=minimal_with_context",)),
+}
+"""Result files measured before the shipped config took param_scan_axis=0 (MaxText's default 1 then) and
+the custom remat policy (minimal_with_context then): the checks plan and predict their runs with the config
+they ran (`as_measured`); a path's own overrides still come after these."""
+
+
+def as_measured(result_file: str | None) -> list[str]:
+  """Overrides that give the shipped config as it was when `result_file` (a bench/results name) was measured."""
+  return list(SHIPPED_BEFORE.get(os.path.basename(result_file), ())) if result_file else []
+
+
+def args_of(run: str, smoke: bool = False, measured_in: str | None = None) -> list[str]:
+  """MaxText's arguments for `run` ('path' or 'path@layers'): its config file, then key=value overrides;
+  `measured_in`: a result file's name, for the config as that file's runs had it (`as_measured`)."""
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   path, layers = split_name(run)
   config, overrides, _ = PATHS[path]
   depth = [] if layers == BASE_LAYERS else ["override_model_config=true", f"base_num_decoder_layers={layers}"]
   config = config if os.path.isabs(config) else os.path.join(introspect.configs_dir(), config)
-  return [config, *COMMON, *overrides, *depth, *(SMOKE if smoke else [])]
+  return [config, *COMMON, *as_measured(measured_in), *overrides, *depth, *(SMOKE if smoke else [])]
 
 
 def environment(path: str) -> dict:

@@ -27,7 +27,7 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.paths.json", "proxy_1gpu.variants.json",
+PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.scan1.json", "proxy_1gpu.scan0.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.paths.json", "proxy_1gpu.variants.json",
                "proxy_1gpu.recipes.json",
                "proxy_1gpu.run2-allpaths.json")
 EXCLUDED = {
@@ -150,7 +150,7 @@ def one_gpu_rows() -> tuple[list[dict], list[dict]]:
       if "step_time_s" not in measured:
         excluded.append({"name": f"{file}:{path}", "why": f"no step time ({measured.get('error', 'not run')[:200]})"})
         continue
-      job = calibrate.proxy_job(path)
+      job = calibrate.proxy_job(path, file)
       extra = proxy_1gpu.PATHS[path.split("@")[0]][2]  # True: the container profile, what xla_flags_for adds anyway
       _, flags = step_model.xla_flags_for(calib.gpu, dict(extra) if isinstance(extra, dict) else {})
       p = step_model.predict(job, calib, flags)
@@ -198,7 +198,7 @@ def profile_rows(calib) -> list[dict]:
   step = read("proxy_1gpu.variants.json")["paths"]["temoe_fp8"]["step_time_s"]
   scale = step / (profile["step_ms"] / 1e3)
   _, flags = step_model.xla_flags_for(calib.gpu, {})
-  stages = {s.name: s.seconds for s in step_model.predict(calibrate.proxy_job("temoe_fp8"), calib, flags).stages}
+  stages = {s.name: s.seconds for s in step_model.predict(calibrate.proxy_job("temoe_fp8", "proxy_1gpu.variants.json"), calib, flags).stages}
   ms = profile["ms_per_step"]
   out = []
   for stage, categories in (("experts", ("experts",)), ("dispatch/combine", ("dispatch", "combine"))):
