@@ -282,11 +282,13 @@ def fit_h200(data: dict) -> dict:
   variants = read("proxy_1gpu.variants.json")["paths"]
   run2 = read("proxy_1gpu.run2-allpaths.json")["paths"]
   fitted = step_model.fit_profile(
-      data, gpu, proxy_job("temoe_fp8", "proxy_1gpu.variants.json"), read("profile/temoe_fp8.json"), variants["temoe_fp8"]["step_time_s"],
+      data, gpu, proxy_job("temoe_fp8", "proxy_1gpu.variants.json"), read("profile/temoe_fp8.json"),
+      variants["temoe_fp8"]["step_time_s"],
       ["bench/results/profile/temoe_fp8.json", "bench/results/proxy_1gpu.variants.json paths.temoe_fp8.step_time_s "
        "(the profile's device call)"], ["temoe_fp8"])
   return step_model.fit_profile(
-      {**data, "fitted": fitted}, gpu, proxy_job("tokamax_gmm", "proxy_1gpu.run2-allpaths.json"), read("profile/tokamax_gmm.json"),
+      {**data, "fitted": fitted}, gpu, proxy_job("tokamax_gmm", "proxy_1gpu.run2-allpaths.json"),
+      read("profile/tokamax_gmm.json"),
       run2["tokamax_gmm"]["step_time_s"], ["bench/results/profile/tokamax_gmm.json",
                                            "bench/results/proxy_1gpu.run2-allpaths.json paths.tokamax_gmm.step_time_s"],
       ["tokamax_gmm"], core_only=True)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 
-DERIVED = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops", "Framework Name Scope", "XLA TraceMe")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugin"))
+from temoe.tools.profiling import DERIVED_LINES  # noqa: E402  # pylint: disable=wrong-import-position
 
 
 def kernel_ms(trace: str, iters: int) -> dict[str, dict]:
@@ -25,7 +27,7 @@ def kernel_ms(trace: str, iters: int) -> dict[str, dict]:
     if not plane.name.startswith("/device:GPU"):
       continue
     for line in plane.lines:
-      if line.name in DERIVED:
+      if line.name in DERIVED_LINES:
         continue
       for event in line.events:
         ms[event.name] += (event.end_ns - event.start_ns) / 1e6 / iters

@@ -38,7 +38,7 @@ def measured_with_sources(results: str) -> dict:
 
 
 def measured_peaks(results: str) -> dict:
-  """path -> peak GiB (`measured`)."""
+  """path -> peak GiB (`measured_with_sources` without the files)."""
   return {k: v for k, (v, _) in measured_with_sources(results).items()}
 
 
@@ -64,8 +64,9 @@ def main() -> int:
   runs = args.paths.split(",")
   for run in runs:
     proxy_1gpu.split_name(run)  # unknown paths: one line naming the choices, before anything runs
-  sources = {} if args.measure else {k: f for k, (_, f) in measured_with_sources(args.results).items()}
-  measured = {} if args.measure else measured_peaks(args.results)
+  found = {} if args.measure else measured_with_sources(args.results)
+  measured = {k: peak for k, (peak, _) in found.items()}
+  sources = {k: f for k, (_, f) in found.items()}
   workdir = tempfile.mkdtemp(prefix="plan-check-")
   worst, rows = 0.0, []
   for run in runs:

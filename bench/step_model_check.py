@@ -27,8 +27,8 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.scan1.json", "proxy_1gpu.scan0.json", "proxy_1gpu.save_moe.json", "proxy_1gpu.paths.json", "proxy_1gpu.variants.json",
-               "proxy_1gpu.recipes.json",
+PROXY_FILES = ("proxy_1gpu.json", "proxy_1gpu.scan1.json", "proxy_1gpu.scan0.json", "proxy_1gpu.save_moe.json",
+               "proxy_1gpu.paths.json", "proxy_1gpu.variants.json", "proxy_1gpu.recipes.json",
                "proxy_1gpu.run2-allpaths.json")
 EXCLUDED = {
     ("proxy_1gpu.run2-allpaths.json", "temoe_fp8"): (
@@ -198,7 +198,8 @@ def profile_rows(calib) -> list[dict]:
   step = read("proxy_1gpu.variants.json")["paths"]["temoe_fp8"]["step_time_s"]
   scale = step / (profile["step_ms"] / 1e3)
   _, flags = step_model.xla_flags_for(calib.gpu, {})
-  stages = {s.name: s.seconds for s in step_model.predict(calibrate.proxy_job("temoe_fp8", "proxy_1gpu.variants.json"), calib, flags).stages}
+  job = calibrate.proxy_job("temoe_fp8", "proxy_1gpu.variants.json")  # the profile's run: that file's config
+  stages = {s.name: s.seconds for s in step_model.predict(job, calib, flags).stages}
   ms = profile["ms_per_step"]
   out = []
   for stage, categories in (("experts", ("experts",)), ("dispatch/combine", ("dispatch", "combine"))):
