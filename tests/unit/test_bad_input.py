@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pydantic
 import pytest
 
@@ -21,6 +23,13 @@ CASES = {
     "no recipe": (["te_gmm_quantization=''"], ["te_gmm_quantization must be specified", "te_no_quant"]),
     "unfused weights": (["prefuse_moe_weights=false"], ["requires prefuse_moe_weights=True"]),
     "dropping MoE": (["sparse_matmul=false"], ["requires sparse_matmul=True"]),
+    "unknown fp8 weight placement": (["te_moe_fp8_weights=host"], ["choose one of remat, device, offload"]),
+    "fp8 weights kept without a custom policy": (["te_moe_fp8_weights=device"],
+                                                 ["needs remat_policy=custom (got full)", "te_moe_fp8_weights=remat"]),
+    "fp8 weights kept where none are made": (["te_moe_fp8_weights=offload", "remat_policy=custom"],
+                                             ["recipe te_no_quant on backend xla keeps no FP8 weight copies"]),
+    "fp8 weights kept without temoe's block": (["te_moe_fp8_weights=device", "te_moe_block=false"],
+                                               ["it needs te_moe_block=true"]),
 }
 
 
@@ -59,3 +68,17 @@ def test_cli_prints_one_line_and_exits_2_before_compiling(tmp_path, override):
 def test_cli_usage_error():
   result = run_temoe("train", "key=value")
   assert result.returncode == 2 and "usage: temoe train <config.yml>" in result.stderr
+
+
+@pytest.mark.parametrize("where, field", [("device", "tensors_on_device"), ("offload", "tensors_to_offload")])
+def test_te_moe_fp8_weights_adds_temoes_name_to_maxtexts_custom_lists(where, field):
+  from temoe.maxtext import config  # pylint: disable=import-outside-toplevel
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+
+  model = types.SimpleNamespace(te_moe_fp8_weights=where, remat_policy="custom", te_gmm_quantization="te_fp8_current",
+                                tensors_on_device=["mlpwo"], tensors_to_offload=None)
+  config.place_fp8_weights(model, "mosaic")
+  config.place_fp8_weights(model, "mosaic")  # once only
+  assert getattr(model, field) == ([*(["mlpwo"] if where == "device" else []), parts.FP8_WEIGHTS])
+  with pytest.raises(ValueError, match="keeps no FP8 weight copies"):
+    config.place_fp8_weights(model, "te")  # TE's grouped GEMM quantizes inside its own op: nothing to name

@@ -61,7 +61,8 @@ def proxy_args(path: str, measured_in: str | None = None) -> list[str]:
 RESULTS = ROOT / "bench" / "results"
 MEASURED = ",".join(str(RESULTS / f) for f in ("proxy_1gpu.json", "proxy_1gpu.scan0.json", "proxy_1gpu.scan1.json",
                                                 "proxy_1gpu.paths.json", "proxy_1gpu.save_moe.json",
-                                                "proxy_1gpu.variants.json", "plan_check.measured.json"))
+                                                "proxy_1gpu.variants.json", "proxy_1gpu.fp8_weights.json",
+                                                "plan_check.measured.json"))
 """The committed H200 peaks: the proxy bench's calls and plan_check.py --measure's (plan_check.measured.json)."""
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from temoe.moe import dispatch
 from temoe.moe.context import MoEContext
-from temoe.moe.experts import mosaic, mosaic_gemm
+from temoe.moe.experts import mosaic, mosaic_gemm, parts
 from temoe.tools import hbm_activations
 
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 4, 256, 128, 96, 2
@@ -47,7 +47,7 @@ def nbytes(line: str) -> int:
 def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(recipe, monkeypatch, capsys):
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
   lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys)
-  quantized = [line for line in lines if "named 'quantization'" in line]
+  quantized = [line for line in lines if "named 'quantization'" in line or f"named '{parts.FP8_WEIGHTS}'" in line]
   # the backward's x^T, wi, h^T, wo and the recomputed gate/up GEMM's x, wi^T (for its up half), with scales
   scales = {"te_fp8_current": 4, "te_fp8_blockwise": 5}[recipe]  # per-expert ones are shared by x and x^T
   assert sum("f8_e4m3fn" in line for line in quantized) == 6 and len(quantized) == 6 + scales
@@ -58,3 +58,26 @@ def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(r
   without, _ = saved_lines(recipe, ("mlpwi_0", "mlpwo"), capsys)  # minimal_with_context: quantized again
   assert not [line for line in without if "f8_e4m3fn" in line or "'quantization'" in line]
   assert hbm_activations.quantized_residuals(config, shapes, rows, "xla") == []
+
+
+SHIPPED_NAMES = ("mlpwi_0", "moe_mlpwi_0", "moe_mlpwi_1", "mlpwo", "moe_mlpwo")
+"""The MoE names the shipped proxy's custom policy keeps (configs/deepseek3-proxy-1gpu.yml)."""
+
+
+@pytest.mark.parametrize("recipe", ["te_fp8_current", "te_fp8_blockwise"])
+def test_te_moe_fp8_weights_keeps_the_weights_fp8_copies_alone(recipe, monkeypatch, capsys):
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  lines, rows = saved_lines(recipe, (*SHIPPED_NAMES, parts.FP8_WEIGHTS), capsys)
+  kept = [line for line in lines if f"named '{parts.FP8_WEIGHTS}'" in line]
+  # wi and wo as stored (dgrad reads them) and their scales; not wi^T (the gate/up GEMM is not recomputed)
+  assert sum("f8_e4m3fn" in line for line in kept) == 2 and len(kept) == 4, lines
+  fp8 = sorted(nbytes(line) for line in kept if "f8_e4m3fn" in line)
+  assert fp8 == [EXPERTS * EMB * FFN, EXPERTS * EMB * 2 * FFN]
+  assert not [line for line in lines if "f8_e4m3fn" in line and line not in kept]  # no activation copy kept
+  config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=FFN, te_gmm_quantization=recipe)
+  shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=EMB, tp=1, ep=1, act=2)
+  weights = [t for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic", up_recomputed=False)
+             if parts.FP8_WEIGHTS in t.names]
+  assert sum(t.elements * t.itemsize for t in weights) == pytest.approx(sum(map(nbytes, kept)), rel=1e-3)
+  without, _ = saved_lines(recipe, SHIPPED_NAMES, capsys)  # the shipped policy: quantized again
+  assert not [line for line in without if "f8_e4m3fn" in line]

@@ -24,6 +24,9 @@ def _maxtext_types():
   return types
 
 
+PLACEMENTS = ("remat", "device", "offload")
+"""MaxText's per-tensor remat choices (remat_policy=custom), which te_moe_fp8_weights takes too."""
+
 LIFTED_TE_MOE_RESTRICTIONS = {"routed_bias_update_rate": 0.0, "norm_topk_prob": False}
 """MaxText rejects these with te_moe_block=true because TE's moe() lacks them; temoe's block has them."""
 
@@ -57,6 +60,10 @@ def temoe_config_class():
         False, description="With packing=false, train on token rows shorter than max_target_length (MaxText pads "
         "them; the pad id is masked from the loss). Default: temoe's preflight refuses them, naming the row."
     )
+    te_moe_fp8_weights: str = pydantic.Field(
+        "remat", description="With remat_policy=custom, MaxText's per-tensor choice for the expert weights' FP8 "
+        "copies of temoe's kernels: remat (quantized again in the backward), device (kept), offload (to host)."
+    )
     te_resume_step: int = pydantic.Field(
         -1, description="Resume from this checkpoint step of the run: temoe checks it and moves every later step "
         "to <run>/temoe-set-aside/ (nothing is deleted), so MaxText restores it. -1: MaxText's latest."
@@ -72,6 +79,14 @@ def temoe_config_class():
     @classmethod
     def _known_backend(cls, value: Any) -> str:
       return recipes.check_backend(str(value))
+
+    @pydantic.field_validator("te_moe_fp8_weights", mode="before")
+    @classmethod
+    def _known_placement(cls, value: Any) -> str:
+      value = str(value)
+      if value not in PLACEMENTS:
+        raise ValueError(f"te_moe_fp8_weights={value!r}: choose one of {', '.join(PLACEMENTS)}")
+      return value
 
     @pydantic.field_validator("te_moe_exchange", mode="before")
     @classmethod
@@ -95,6 +110,9 @@ def temoe_config_class():
         setattr(model, key, pydantic.TypeAdapter(type(LIFTED_TE_MOE_RESTRICTIONS[key])).validate_python(value))
       if model.te_moe_block:
         _validate_temoe(model, types)
+      elif model.te_moe_fp8_weights != "remat":
+        raise ValueError(f"te_moe_fp8_weights={model.te_moe_fp8_weights} places temoe's FP8 weight copies; "
+                         "it needs te_moe_block=true (or te_moe_fp8_weights=remat)")
       return model
 
   return TemoeConfig
@@ -110,8 +128,33 @@ def _validate_temoe(model, types) -> None:
   _refuse_changed_semantics(model, types)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
-  recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
-                          recipes.model_shape(model))
+  backend = recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
+                                    recipes.model_shape(model))
+  place_fp8_weights(model, backend)
+
+
+def place_fp8_weights(model, backend: str) -> None:
+  """te_moe_fp8_weights=device|offload: adds temoe's name for the expert weights' FP8 copies
+  (moe.experts.parts.FP8_WEIGHTS) to the names MaxText's custom remat policy keeps or offloads. Refused,
+  in one line, where the policy is not custom or no such copies exist (they are temoe's Hopper kernels'
+  for an FP8 recipe), so the flag never silently does nothing."""
+  where = model.te_moe_fp8_weights
+  if where == "remat":
+    return
+  if model.remat_policy != "custom":
+    raise ValueError(f"te_moe_fp8_weights={where} is a choice of MaxText's per-tensor policy; it needs "
+                     f"remat_policy=custom (got {model.remat_policy}), or te_moe_fp8_weights=remat")
+  recipe = recipes.REGISTRY[model.te_gmm_quantization]
+  if backend != "mosaic" or not recipe.fp8:
+    raise ValueError(f"te_moe_fp8_weights={where}: recipe {model.te_gmm_quantization} on backend {backend} keeps no "
+                     "FP8 weight copies (only temoe's mosaic kernels with te_fp8_current or te_fp8_blockwise do); "
+                     "use te_moe_fp8_weights=remat")
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+
+  field = "tensors_on_device" if where == "device" else "tensors_to_offload"
+  names = list(getattr(model, field) or [])
+  if parts.FP8_WEIGHTS not in names:
+    setattr(model, field, [*names, parts.FP8_WEIGHTS])
 
 
 

@@ -124,28 +124,41 @@ def layer_tensors(config, s: Shapes, moe: bool, rows: int, backend: str) -> list
           Tensor(("mlpwo", "moe_mlpwo"), rows * s.emb)]
   if backend == "gmm":  # MaxText's own sparse path names its expert-sorted input
     out.append(Tensor(("moe_x_sorted",), rows * s.emb))
-  out += quantized_residuals(config, s, rows, backend)
+  out += quantized_residuals(config, s, rows, backend, up_recomputed=_up_recomputed(config))
   if c.shared_experts:
     out += mlp_tensors(s, c.shared_experts * c.moe_mlp_dim // s.tp)
   return out
 
 
-def quantized_residuals(config, s: Shapes, rows: int, backend: str) -> list[Tensor]:
+def quantized_residuals(config, s: Shapes, rows: int, backend: str, up_recomputed: bool = True) -> list[Tensor]:
   """The FP8 copies temoe's Hopper kernels keep for a MoE layer's backward, named `quantization` as
   MaxText names its own (moe/experts/parts.py): x^T and h^T, and wi and wo as stored, with their scales
-  (what the backward reads), and x and wi^T (what the recomputed gate/up GEMM reads: every MaxText policy
-  that keeps `quantization` recomputes it for its up half, moe_mlpwi_1; the down GEMM's output, mlpwo,
-  is kept, so h and wo^T are not). A 128 x 128 weight block's scale is 1/128 of the bytes of a 1 x 128
-  activation block's; w and w^T share theirs."""
+  (what the backward reads), and, where the policy recomputes the gate/up GEMM (up_recomputed: it keeps
+  neither or one half of its output), x and wi^T (what that recompute reads; the down GEMM's output,
+  mlpwo, is kept, so h and wo^T are not). The weights' copies are also named te_moe_fp8_weights, which
+  temoe's flag of that name keeps alone. A 128 x 128 weight block's scale is 1/128 of the bytes of a
+  1 x 128 activation block's; w and w^T share theirs."""
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+
   q = operand_bytes(config, backend)
   if backend != "mosaic" or not q:
     return []
   tile = lambda n: -(-n // 128) * 128  # noqa: E731  # the copies are padded to whole 128-element tiles
   local, e, m = config.num_experts // s.ep, tile(s.emb), tile(config.moe_mlp_dim)
   weight_q = 1.0 + (q - 1.0) / 128
-  backward = [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), rows * m, q),
-              Tensor(("quantization",), local * e * 2 * m, weight_q), Tensor(("quantization",), local * m * e, weight_q)]
-  return backward + [Tensor(("quantization",), rows * e, q), Tensor(("quantization",), local * e * 2 * m, 1.0)]
+  act, weights = (parts.QUANTIZED,), (parts.QUANTIZED, parts.FP8_WEIGHTS)
+  backward = [Tensor(act, rows * e, q), Tensor(act, rows * m, q),
+              Tensor(weights, local * e * 2 * m, weight_q), Tensor(weights, local * m * e, weight_q)]
+  if not up_recomputed:
+    return backward
+  return backward + [Tensor(act, rows * e, q), Tensor(weights, local * e * 2 * m, 1.0)]
+
+
+def _up_recomputed(config) -> bool:
+  """Whether the backward recomputes the routed experts' gate/up GEMM: the policy keeps not both halves."""
+  policy = remat_policy(config)
+  halves = (Tensor(("mlpwi_0", "moe_mlpwi_0"), 0), Tensor(("moe_mlpwi_1",), 0))
+  return any(kept(policy, half, config) == "remat" for half in halves)
 
 
 def remat_policy(config):
@@ -198,6 +211,8 @@ class Saved:
     host = f"; {self.host / GIB:.2f} GiB offloaded to host" if self.host else ""
     if "quantization" in self.names:
       note += " (quantization: the expert GEMMs' FP8 copies; MaxText's dense FP8 layers' own are not counted)"
+    elif "te_moe_fp8_weights" in self.names:
+      note += " (te_moe_fp8_weights: the expert weights' FP8 copies)"
     return Part("saved activations", self.dense + self.moe, note + host)
 
 
@@ -213,7 +228,7 @@ def saved_activations(config, s: Shapes, rows: int, backend: str) -> Saved:
       where = kept(policy, tensor, config)
       size = count * tensor.elements * (tensor.itemsize or s.act)
       if where == "device":
-        names.add(tensor.names[0])
+        names.add(next(n for n in tensor.names if placement(policy, n, config) == "device"))
         total[moe] += size
       elif where == "host":
         host += size
@@ -286,13 +301,16 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   wi, wo = local * e * 2 * m, local * m * e  # expert weight elements
   policy = remat_policy(c)
   tensors = {t.names[-1]: kept(policy, t, c) for t in layer_tensors(c, s, True, rows, backend)}
-  kept_q = tensors.get("quantization") == "device"  # the FP8 residuals are saved ones, counted there
+  # FP8 residuals a policy saves are counted there: the activations' copies, and the weights' (named
+  # te_moe_fp8_weights too, keyed by that name), which no step then quantizes again
+  kept_q = tensors.get("quantization") == "device"
+  kept_w = tensors.get("te_moe_fp8_weights") == "device"
   x_res, act_res = (0, 0) if kept_q else (e * (q or a), m * (q or a))  # the residual operand of each GEMM's wgrad
-  res_w = 0 if kept_q else 1
+  res_w = 0 if kept_w or kept_q else 1
   gate_up = 2 * m * a if "remat" in (tensors["moe_mlpwi_0"], tensors["moe_mlpwi_1"]) else 0  # recomputed
   recomputed = gate_up + (e * a if tensors["moe_mlpwo"] == "remat" else 0)
   steps = {
-      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + q * (2 * wi + wo),
+      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + (0 if kept_w else q * (2 * wi + wo)),
       "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + res_w * q * (wi + wo),
       "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + res_w * q * wi,
   }

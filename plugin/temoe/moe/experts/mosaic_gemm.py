@@ -787,10 +787,11 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
     # The copies are padded to whole 128-element tiles in K and N.
     xp, wp = pad_to(x, (mp, tiled(k))), pad_to(w, (w.shape[0], tiled(k), tiled(n)))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
-    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
+    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them;
+    # the weights' also te_moe_fp8_weights (parts.FP8_WEIGHTS), to keep those alone.
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
-    xq, xqt, sx, wq, wqt, sw = parts.tag_quantized(xq, xqt, sx, wq, wqt, sw)
+    (xq, xqt, sx), (wq, wqt, sw) = parts.tag_quantized(xq, xqt, sx), parts.tag_quantized_weights(wq, wqt, sw)
     y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
     res = (xqt, sx, wq, sw, group_sizes, *protos)
   elif scaling == "blockwise":
@@ -844,7 +845,7 @@ def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms,
   g, k, n = w.shape
   wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, tiled(k), tiled(n))), impl=quant)
   # every FP8 copy named `quantization`, those the forward reads too (see _gmm_fwd)
-  xq, sx, xqt, sxt, wq, wqt, sw = parts.tag_quantized(*xq4, wq, wqt, sw)
+  (xq, sx, xqt, sxt), (wq, wqt, sw) = parts.tag_quantized(*xq4), parts.tag_quantized_weights(wq, wqt, sw)
   y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw))
   return y, (xqt, sxt, wq, sw)
 

@@ -33,6 +33,19 @@ QUANTIZED = "quantization"
 `*_with_quantization` policies keep them for the backward instead of quantizing again."""
 
 
+FP8_WEIGHTS = "te_moe_fp8_weights"
+"""temoe's remat name for the expert weights' FP8 copies and scales (also `quantization`). MaxText's
+custom policy saves the names its config lists; temoe's flag of the same name adds this one
+(temoe.maxtext.config), so the backward reads the copies the forward made instead of quantizing the
+weights again (one amax pass and one cast pass per weight and step)."""
+
+
+def tag_quantized_weights(*arrays: jax.Array) -> tuple[jax.Array, ...]:
+  """The expert weights' FP8 copies and scales: `quantization`, and FP8_WEIGHTS for a policy that keeps
+  them alone (weights are re-read every step; activations' copies are another size and trade-off)."""
+  return tuple(checkpoint_name(a, FP8_WEIGHTS) for a in tag_quantized(*arrays))
+
+
 def tag_quantized(*arrays: jax.Array) -> tuple[jax.Array, ...]:
   """A GEMM's FP8 copies and their scales, named as MaxText names its own: those its backward reads and
   those its forward reads, so a policy that keeps them also spares a recomputed forward its quantization
