@@ -82,3 +82,19 @@ def test_te_moe_fp8_weights_adds_temoes_name_to_maxtexts_custom_lists(where, fie
   assert getattr(model, field) == ([*(["mlpwo"] if where == "device" else []), parts.FP8_WEIGHTS])
   with pytest.raises(ValueError, match="keeps no FP8 weight copies"):
     config.place_fp8_weights(model, "te")  # TE's grouped GEMM quantizes inside its own op: nothing to name
+
+
+@pytest.mark.parametrize("where, placed", [("device", "device"), ("offload", "host"), ("remat", "remat")])
+def test_maxtexts_own_policy_places_the_fp8_weights_as_asked(where, placed, monkeypatch):
+  """Through MaxText's pyconfig and its decoder's get_remat_policy: the name temoe's kernels give the
+  weights' FP8 copies is kept, offloaded or recomputed as the flag says. (No Hopper GPU here: the backend
+  check is made to answer mosaic, so the FP8 recipe's config is built as on an H200.)"""
+  from temoe import recipes  # pylint: disable=import-outside-toplevel
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+  from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(recipes, "resolve_backend", lambda *args: "mosaic")
+  cfg = maxtext_config("remat_policy=custom", "te_gmm_quantization=te_fp8_current", f"te_moe_fp8_weights={where}")
+  policy = hbm_activations.remat_policy(cfg)
+  assert hbm_activations.placement(policy, parts.FP8_WEIGHTS, cfg) == placed
+  assert hbm_activations.placement(policy, parts.QUANTIZED, cfg) == "remat"  # the activations' copies are not kept

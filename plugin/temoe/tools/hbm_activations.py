@@ -303,8 +303,10 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   tensors = {t.names[-1]: kept(policy, t, c) for t in layer_tensors(c, s, True, rows, backend)}
   # FP8 residuals a policy saves are counted there: the activations' copies, and the weights' (named
   # te_moe_fp8_weights too, keyed by that name), which no step then quantizes again
-  kept_q = tensors.get("quantization") == "device"
-  kept_w = tensors.get("te_moe_fp8_weights") == "device"
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+
+  kept_q = tensors.get(parts.QUANTIZED) == "device"
+  kept_w = tensors.get(parts.FP8_WEIGHTS) == "device"
   x_res, act_res = (0, 0) if kept_q else (e * (q or a), m * (q or a))  # the residual operand of each GEMM's wgrad
   res_w = 0 if kept_w or kept_q else 1
   gate_up = 2 * m * a if "remat" in (tensors["moe_mlpwi_0"], tensors["moe_mlpwi_1"]) else 0  # recomputed
