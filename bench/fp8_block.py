@@ -4,7 +4,11 @@ with the Pallas Triton kernels at several warp counts and as XLA's fusion, every
 against XLA's in the same call. Milliseconds and the bandwidth the pass moves (2 bytes read, 2 written
 per element, plus the scales) say what each operand's quantization costs in the layer.
 
-    python bench/fp8_block.py [--out bench/results] [--warps 4,8,16]
+    python bench/fp8_block.py [--out bench/results] [--warps 4,8,16] [--variants base,recip,bf16amax,recip+bf16amax]
+
+Variants (fp8_block's module flags): recip casts x * (1 / s) (RECIPROCAL; XLA's reference follows),
+bf16amax takes the amax on the bf16 input (AMAX_IN_INPUT_DTYPE); keys triton_<variant>_w<warps>_*
+(base: triton_w<warps>_*, as before).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--warps", default="4,8,16")
+  parser.add_argument("--variants", default="base")
   args = parser.parse_args()
   result = {"command": " ".join(["python3", "bench/fp8_block.py", *sys.argv[1:]]), "device": jax.devices()[0].device_kind,
             "operands": {}}
@@ -45,26 +50,32 @@ def main() -> None:
     elems = int(np.prod(shape))
     moved = elems * (2 + 2) + elems // 128 * 4 * (2 if kind == "rows" else 1 / 64)
     rec = {"shape": shape, "bytes_moved": moved}
-    ref = jax.jit(lambda a, quant=quant: quant(a, impl="xla"))(x)
-    sec = timed(jax.jit(lambda a, quant=quant: quant(a, impl="xla")), x, iters=10)
-    rec["xla_ms"], rec["xla_tb_s"] = sec * 1e3, moved / sec / 1e12
-    shipped = (fb.ROWS_WARPS, fb.WEIGHTS_WARPS)
-    for warps in (int(w) for w in args.warps.split(",")):
-      fb.ROWS_WARPS = fb.WEIGHTS_WARPS = warps
-      fn = jax.jit(lambda a, quant=quant: quant(a, impl="triton"))
-      try:
-        got = fn(x)
-        rec[f"triton_w{warps}_differs"] = max(float(jnp.mean((g.astype(jnp.float32) != r.astype(jnp.float32))))
-                                              for g, r in zip(got, ref))
-        sec = timed(fn, x, iters=10)
-        rec[f"triton_w{warps}_ms"], rec[f"triton_w{warps}_tb_s"] = sec * 1e3, moved / sec / 1e12
-      except Exception as exc:  # pylint: disable=broad-exception-caught
-        rec[f"triton_w{warps}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-      del fn
-    fb.ROWS_WARPS, fb.WEIGHTS_WARPS = shipped
+    shipped = (fb.ROWS_WARPS, fb.WEIGHTS_WARPS, fb.RECIPROCAL, fb.AMAX_IN_INPUT_DTYPE)
+    for variant in args.variants.split(","):
+      fb.RECIPROCAL, fb.AMAX_IN_INPUT_DTYPE = "recip" in variant, "bf16amax" in variant
+      tag = "" if variant == "base" else f"{variant}_"
+      ref = jax.jit(lambda a, quant=quant: quant(a, impl="xla"))(x)
+      if variant in ("base", "recip"):
+        sec = timed(jax.jit(lambda a, quant=quant: quant(a, impl="xla")), x, iters=10)
+        rec[f"xla_{tag}ms"], rec[f"xla_{tag}tb_s"] = sec * 1e3, moved / sec / 1e12
+      for warps in (int(w) for w in args.warps.split(",")):
+        fb.ROWS_WARPS = fb.WEIGHTS_WARPS = warps
+        fn = jax.jit(lambda a, quant=quant: quant(a, impl="triton"))
+        key_ = f"triton_{tag}w{warps}"
+        try:
+          got = fn(x)
+          rec[f"{key_}_differs"] = max(float(jnp.mean((g.astype(jnp.float32) != r.astype(jnp.float32))))
+                                       for g, r in zip(got, ref))
+          sec = timed(fn, x, iters=10)
+          rec[f"{key_}_ms"], rec[f"{key_}_tb_s"] = sec * 1e3, moved / sec / 1e12
+        except Exception as exc:  # pylint: disable=broad-exception-caught
+          rec[f"{key_}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        del fn
+      del ref
+    fb.ROWS_WARPS, fb.WEIGHTS_WARPS, fb.RECIPROCAL, fb.AMAX_IN_INPUT_DTYPE = shipped
     result["operands"][name] = rec
     print(name, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
-    del x, ref
+    del x
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "fp8_block.json"), "w", encoding="utf-8") as f:
     json.dump(result, f, indent=1)

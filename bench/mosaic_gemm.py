@@ -54,6 +54,9 @@ ROWS_CONFIGS = [
     TC(block_m=128, block_n=256, stages=3, compute_wgs=2, grid_block_n=4, epi_n=256),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, promote=4),
+    # CTA pairs sharing A by TMA multicast (TileConfig.cluster)
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4, cluster=2),
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=8, cluster=2),
 ]
 CONTRACT_CONFIGS = ROWS_CONFIGS[:2] + [
     TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
@@ -66,6 +69,11 @@ BLOCKWISE_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
     TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
+    # one wgmma always in flight (roll), CTA pairs sharing A by TMA multicast (cluster), both
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, roll=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, cluster=2),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, roll=True, cluster=2),
+    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=16, overlap=True, roll=True, cluster=2),
 ]
 QUICK = 3  # --quick: first configs of each list only
 
@@ -466,6 +474,7 @@ def main() -> None:
                       help="the FP8 recipe swept: per-expert current scaling or DeepSeek-V3's block scales")
   parser.add_argument("--quick", action="store_true", help=f"first {QUICK} configs per GEMM only")
   parser.add_argument("--max-configs", type=int, default=None, help="first N configs per GEMM only")
+  parser.add_argument("--configs", default="", help="comma list of TileConfig names (TileConfig.name()) to keep")
   parser.add_argument("--no-comparators", action="store_true")
   parser.add_argument("--skip-te", action="store_true")
   parser.add_argument("--comparators", default="", help="comma list: mosaic_fp8,mosaic_bf16,te_grouped_fp8,"
@@ -535,6 +544,8 @@ def run_shapes(args, result, json_path, pool, t_start):
         configs = ROWS_CONFIGS if form == "rows" else CONTRACT_CONFIGS
       configs = configs[:QUICK] if args.quick else configs
       configs = configs[:args.max_configs] if args.max_configs else configs
+      if args.configs:
+        configs = [c for c in configs if c.name() in args.configs.split(",")]
       try:
         sres["gemms"][g], best_cfgs[g] = sweep_gemm(g, specs[g], p, configs, pool)
       except Exception as exc:  # pylint: disable=broad-exception-caught

@@ -58,6 +58,12 @@ DEFAULT_IMPL = "auto"  # triton on a GPU where the shape is whole 128 x 128 tile
 # against 1.45 with 8), 8 for weights (wi 1.73 / wo 0.79 ms, against 1.63 / 1.00 with 4).
 ROWS_WARPS, WEIGHTS_WARPS = 4, 8
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernels
+# Two forms of the Triton kernels' arithmetic, measured against each other on the H200
+# (bench/fp8_block.py --variants): RECIPROCAL casts x * (1 / s) (one division per block, not per
+# element; the XLA form follows, so both implementations stay bit-equal), AMAX_IN_INPUT_DTYPE takes
+# the blocks' amax on the bf16 input before the fp32 upcast (exact: max and abs round nothing).
+RECIPROCAL = False
+AMAX_IN_INPUT_DTYPE = False
 
 
 def blocks(n: int) -> int:
@@ -80,6 +86,11 @@ def _cast(v):
   return jnp.clip(v, -FMAX, FMAX).astype(E4M3)
 
 
+def _cast_scaled(v, s):
+  """E4M3 of v / s (s broadcast to v): a division, or a multiply by 1 / s with RECIPROCAL."""
+  return _cast(v * (1.0 / s) if RECIPROCAL else v / s)
+
+
 def _pad_to_blocks(x, axes):
   pads = [(0, 0)] * x.ndim
   for a in axes:
@@ -95,7 +106,7 @@ def quantize_rows_xla(x: jax.Array, pow2: bool = False):
   r, c = x.shape
   xb = _pad_to_blocks(x.astype(jnp.float32), [1]).reshape(r, blocks(c), BLOCK)
   s = scale_of(jnp.max(jnp.abs(xb), axis=2), pow2)  # (R, Cb)
-  q = _cast(xb / s[:, :, None]).reshape(r, -1)[:, :c]
+  q = _cast_scaled(xb, s[:, :, None]).reshape(r, -1)[:, :c]
   return q, s.T
 
 
@@ -126,7 +137,7 @@ def quantize_weights_xla(w: jax.Array, pow2: bool = False):
   g, k, n = w.shape
   wb = _pad_to_blocks(w.astype(jnp.float32), [1, 2]).reshape(g, blocks(k), BLOCK, blocks(n), BLOCK)
   s = scale_of(jnp.max(jnp.abs(wb), axis=(2, 4)), pow2)  # (G, Kb, Nb)
-  q = _cast(wb / s[:, :, None, :, None]).reshape(g, blocks(k) * BLOCK, blocks(n) * BLOCK)[:, :k, :n]
+  q = _cast_scaled(wb, s[:, :, None, :, None]).reshape(g, blocks(k) * BLOCK, blocks(n) * BLOCK)[:, :k, :n]
   return q, jnp.swapaxes(q, 1, 2), s
 
 
@@ -146,18 +157,21 @@ def dequantize_weights(q: jax.Array, s: jax.Array) -> jax.Array:
 
 
 def _quantize_tile(v, q_ref, s_ref, qt_ref, st_ref, pow2):
-  """Writes the fp32 (128, 128) tile v (rows i-block, cols j-block) both ways: 1 x 128 and 128 x 1 blocks."""
+  """Writes the (128, 128) tile v (rows i-block, cols j-block) both ways: 1 x 128 and 128 x 1 blocks
+  (amax on v as given, the cast from fp32)."""
   a = jnp.abs(v)
   s_row = scale_of(jnp.max(a, axis=1), pow2)  # one per row (1 x 128)
   s_col = scale_of(jnp.max(a, axis=0), pow2)  # one per column (128 x 1)
-  q_ref[...] = _cast(v / s_row[:, None])
+  v = v.astype(jnp.float32)
+  q_ref[...] = _cast_scaled(v, s_row[:, None])
   s_ref[...] = s_row
-  qt_ref[...] = _cast(v / s_col[None, :]).T
+  qt_ref[...] = _cast_scaled(v, s_col[None, :]).T
   st_ref[...] = s_col
 
 
 def _both_kernel(x_ref, *outs, pow2):
-  _quantize_tile(x_ref[...].astype(jnp.float32), *outs, pow2)
+  x = x_ref[...]
+  _quantize_tile(x if AMAX_IN_INPUT_DTYPE else x.astype(jnp.float32), *outs, pow2)
 
 
 def _gathered_kernel(index_ref, *refs, tokens, weighted, pow2):
@@ -167,16 +181,17 @@ def _gathered_kernel(index_ref, *refs, tokens, weighted, pow2):
   index = index_ref[...]
   real = index < tokens  # index == tokens: a padding slot, zero
   v = src_ref[jnp.where(real, index, 0), pl.ds(pl.program_id(1) * BLOCK, BLOCK)]  # padding slots read row 0
-  v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0)
-  if weighted:
-    v = v * weight_ref[...].astype(jnp.float32)[:, None]
+  if weighted:  # dy times the routing weight, in fp32 (rounded once, to E4M3)
+    v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0) * weight_ref[...].astype(jnp.float32)[:, None]
+  else:
+    v = jnp.where(real[:, None], v if AMAX_IN_INPUT_DTYPE else v.astype(jnp.float32), jnp.zeros((), v.dtype))
   _quantize_tile(v, *outs, pow2)
 
 
 def _weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, pow2):
-  v = w_ref[...].astype(jnp.float32)  # one 128 x 128 block
-  s = scale_of(jnp.max(jnp.abs(v)), pow2)
-  q = _cast(v / s)
+  v = w_ref[...]  # one 128 x 128 block
+  s = scale_of(jnp.max(jnp.abs(v if AMAX_IN_INPUT_DTYPE else v.astype(jnp.float32))), pow2)
+  q = _cast_scaled(v.astype(jnp.float32), s)
   q_ref[...] = q
   qt_ref[...] = q.T
   s_ref[...] = jnp.broadcast_to(s, s_ref.shape)
