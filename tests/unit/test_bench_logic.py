@@ -134,3 +134,28 @@ def test_small_model_bad_input_is_one_line_before_anything_runs(args, message):
   done = subprocess.run([sys.executable, str(ROOT / "bench" / "small_model.py"), *args], capture_output=True, text=True,
                         timeout=60)
   assert done.returncode == 2 and message in done.stderr.splitlines()[-1], done.stderr
+
+
+def test_kernel_times_host_mode_reads_the_host_threads_of_a_trace(tmp_path):
+  """bench/kernel_times.py --host: a host-side annotation that sleeps 20 ms a step shows with its
+  time per step on its thread (what a host-bound step is checked with)."""
+  import time  # pylint: disable=import-outside-toplevel
+
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  import kernel_times  # pylint: disable=import-outside-toplevel
+
+  f = jax.jit(lambda x: jnp.sin(x) @ x)
+  x = jnp.ones((64, 64))
+  f(x).block_until_ready()
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(3):
+      with jax.profiler.TraceAnnotation("host_step_of_the_test"):
+        f(x).block_until_ready()
+        time.sleep(0.02)
+  (trace,) = tmp_path.rglob("*.xplane.pb")
+  host = kernel_times.kernel_ms(str(trace), 3, host=True)
+  (key,) = [k for k in host if k.endswith("| host_step_of_the_test")]
+  assert 20.0 <= host[key]["ms_per_iter"] < 200.0 and host[key]["launches_per_iter"] == 1
+  assert not any("host_step_of_the_test" in k for k in kernel_times.kernel_ms(str(trace), 3))  # not a GPU kernel
