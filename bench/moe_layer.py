@@ -36,7 +36,7 @@ import plots  # bench/plots.py, beside this file
 from temoe import recipes
 from temoe.moe import block, dispatch
 from temoe.moe.context import MoEContext, swiglu
-from temoe.moe.experts import fp8_quant, mosaic_tokens, parts
+from temoe.moe.experts import fp8_block, fp8_quant, mosaic_tokens, parts
 
 SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
     "dsv3": (7168, 2048, 32, 8192, 8),
@@ -48,6 +48,7 @@ SHAPES = {  # hidden, expert ffn, experts, tokens, top_k
 PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8_blockwise": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8_blockwise_unfused": ("mosaic", "te_fp8_blockwise"),
+    "temoe_fp8_blockwise_divide": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
@@ -56,6 +57,7 @@ PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
 }
 QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
 UNFUSED = {"temoe_fp8_blockwise_unfused"}  # mosaic_tokens.FUSED off: dispatch -> bf16 buffer -> mosaic.mlp
+DIVIDE = {"temoe_fp8_blockwise_divide"}  # fp8_block's quantizers as before RECIPROCAL / AMAX_IN_INPUT_DTYPE
 
 
 def tokamax_mlp(ctx, x, p, wi, wo, biases, rows_expert):
@@ -233,6 +235,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
   default_quant, fused_default = fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED
+  block_flags = fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE
   if errors:  # the float32 layer on the same routing and the same (bf16-valued) inputs
     ref = float32_layer_vjp(ids, weights, experts, top_k, int(loads.max()))(*(a.astype(jnp.float32) for a in (x, wi, wo, cot)))
     out["errors"] = {}
@@ -241,6 +244,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
     ctx = context(kernel, recipe, experts, top_k)
     fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # both read when the path is traced
     mosaic_tokens.FUSED = path not in UNFUSED
+    fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE = (False, False) if path in DIVIDE else block_flags
     try:
       fn = layer_fwdbwd(ctx, ids, weights)
       seconds = timed(fn, x, wi, wo, cot, iters=iters)
@@ -266,6 +270,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
           out.get("errors", {}).get(path), flush=True)
   fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED = default_quant, fused_default
+  fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE = block_flags
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)
   cd = jax.random.normal(kc, (rows, 2 * ffn), jnp.float32)

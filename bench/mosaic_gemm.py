@@ -54,9 +54,6 @@ ROWS_CONFIGS = [
     TC(block_m=128, block_n=256, stages=3, compute_wgs=2, grid_block_n=4, epi_n=256),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, promote=4),
-    # CTA pairs sharing A by TMA multicast (TileConfig.cluster)
-    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4, cluster=2),
-    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=8, cluster=2),
 ]
 CONTRACT_CONFIGS = ROWS_CONFIGS[:2] + [
     TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
@@ -69,11 +66,6 @@ BLOCKWISE_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
     TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
-    # one wgmma always in flight (roll), CTA pairs sharing A by TMA multicast (cluster), both
-    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, roll=True),
-    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, cluster=2),
-    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, roll=True, cluster=2),
-    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=16, overlap=True, roll=True, cluster=2),
 ]
 QUICK = 3  # --quick: first configs of each list only
 

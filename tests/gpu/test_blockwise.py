@@ -42,21 +42,15 @@ from test_mosaic_kernels import (  # the shared problem set of the Hopper kernel
 from temoe.moe.experts import mosaic_gemm as mz
 
 FWD_BOUND, GRAD_BOUND = recipes.REGISTRY["te_fp8_blockwise"].error_bound
-_BW = dict(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True)
-# the default's pipeline and the others the sweep measures: one wgmma always in flight (roll), CTA
-# pairs sharing A's tiles by TMA multicast (cluster), both (None: the default config)
-PIPELINES = [None, mz.TileConfig(**_BW, roll=True), mz.TileConfig(**_BW, cluster=2),
-             mz.TileConfig(**_BW, roll=True, cluster=2)]
 
 
 def deq_rows(q, s):
   return f32(fb.dequantize_rows(q, s))
 
 
-@pytest.mark.parametrize("cfg", PIPELINES, ids=lambda c: c.name() if c else "default")
 @pytest.mark.parametrize("kind", LOADS)
 @pytest.mark.parametrize("gemm", ["fwd", "dgrad"])
-def test_block_scaled_rows_kernel(kind, gemm, cfg, record_property):
+def test_block_scaled_rows_kernel(kind, gemm, record_property):
   x, w, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   a_src = x if gemm == "fwd" else cot.astype(jnp.bfloat16)
@@ -67,7 +61,7 @@ def test_block_scaled_rows_kernel(kind, gemm, cfg, record_property):
   bv = wv if gemm == "fwd" else wv.transpose(0, 2, 1)  # (G, C, Nout)
   aq = nan_spare(aq, used)
   poison = jnp.full((ROWS, b.shape[1]), jnp.nan, jnp.bfloat16)
-  y = f32(rows_kernel(aq, b, sizes, out=poison, block_scales=(sa, sb), config=cfg))
+  y = f32(rows_kernel(aq, b, sizes, out=poison, block_scales=(sa, sb)))
   ref = np.zeros_like(y)
   per_group(sizes, lambda g, r: ref.__setitem__(r, av[r] @ bv[g]))
   assert np.isfinite(y).all(), "NaN in the output: an unwritten element or a read of a spare row"
@@ -78,9 +72,8 @@ def test_block_scaled_rows_kernel(kind, gemm, cfg, record_property):
   assert err < KERNEL_TOL
 
 
-@pytest.mark.parametrize("cfg", PIPELINES, ids=lambda c: c.name() if c else "default")
 @pytest.mark.parametrize("kind", LOADS)
-def test_block_scaled_contract_kernel(kind, cfg, record_property):
+def test_block_scaled_contract_kernel(kind, record_property):
   x, _, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   _, _, xqt, sxt = fb.quantize_both(x)
@@ -88,7 +81,7 @@ def test_block_scaled_contract_kernel(kind, cfg, record_property):
   av, bv = deq_rows(xqt, sxt), deq_rows(dqt, sdt)  # (K, T), (N, T)
   poison = jnp.full((G, K, N), jnp.nan, jnp.bfloat16)
   dw = f32(contract_kernel(nan_spare(xqt, used, axis=1), nan_spare(dqt, used, axis=1), sizes, out=poison,
-                           block_scales=(sxt, sdt), config=cfg))
+                           block_scales=(sxt, sdt)))
   ref = np.zeros_like(dw)
   per_group(sizes, lambda g, r: ref.__setitem__(g, av[:, r] @ bv[:, r].T))
   assert np.isfinite(dw).all()

@@ -24,11 +24,12 @@ bf16 (R, C) tile, four writes: q, its scales, q^T, its scales; `quantize_weights
 are not) the same math as XLA expressions (`impl="xla"`).
 
 The passes that remain, per MoE layer (mosaic_gemm.grouped_matmul calls these; times measured alone
-on the H200 for DeepSeek-V3's layer, 69,632 buffer rows: bench/results/fp8_block.json): one pass
-over each bf16 operand a producer wrote, x (the dispatch gather's output) 1.33 ms, h (the activation's
-output) 0.46 ms, the incoming gradient dy (the combine's backward) 1.33 ms and the activation's
-gradient 0.86 ms, at 1.25-1.53 TB/s; each weight once per step into both layouts, wi 1.73 ms and wo
-0.79 ms (2.2-2.4 TB/s). About 6.5 ms of the 28 ms layer. `quantize_gathered` fuses two of them
+on the H200 for DeepSeek-V3's layer, 69,632 buffer rows, shipped form: bench/results/fp8_block.json,
+`triton_recip+bf16amax_w4`/`_w8`): one pass over each bf16 operand a producer wrote, x (the dispatch
+gather's output) 1.05 ms, h (the activation's output) 0.47 ms, the incoming gradient dy (the combine's
+backward) about x's, and the activation's gradient 0.66 ms, at 1.2-1.9 TB/s; each weight once per step
+into both layouts, wi 1.37 ms and wo 0.86 ms (2.2-2.7 TB/s). The per-element division they had
+before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms in the same call. `quantize_gathered` fuses two of them
 into their producers' reads: x's rows gathered from the tokens, and dy's from the tokens' gradient
 times the routing weights (`mosaic_tokens`, the default on one device: 26.9 against 27.9 ms for the
 layer on the H200, bench/results/moe_layer.json). The activation is XLA's; a warpgroup's tile
@@ -53,17 +54,19 @@ FMAX = 448.0
 BLOCK = 128
 IMPLS = quantizers.IMPLS
 DEFAULT_IMPL = "auto"  # triton on a GPU where the shape is whole 128 x 128 tiles, xla elsewhere
-# Triton warps per 128 x 128 tile, measured on the H200 over the dsv3 layer's operands
-# (bench/results/fp8_block.json: 4 / 8 / 16 warps): 4 for activations (x 1.33 ms at 1.53 TB/s,
-# against 1.45 with 8), 8 for weights (wi 1.73 / wo 0.79 ms, against 1.63 / 1.00 with 4).
+# Triton warps per 128 x 128 tile, measured on the H200 over the dsv3 layer's operands in the shipped
+# form (bench/results/fp8_block.json, 4 / 8 warps): 4 for activations (x 1.05 ms, 1.15 with 8),
+# 8 for weights (wi 1.37 ms, 1.44 with 4; wo 0.86 / 0.84).
 ROWS_WARPS, WEIGHTS_WARPS = 4, 8
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernels
-# Two forms of the Triton kernels' arithmetic, measured against each other on the H200
-# (bench/fp8_block.py --variants): RECIPROCAL casts x * (1 / s) (one division per block, not per
-# element; the XLA form follows, so both implementations stay bit-equal), AMAX_IN_INPUT_DTYPE takes
-# the blocks' amax on the bf16 input before the fp32 upcast (exact: max and abs round nothing).
-RECIPROCAL = False
-AMAX_IN_INPUT_DTYPE = False
+# Two forms of the kernels' arithmetic, measured against each other on the H200 in one call
+# (bench/results/fp8_block.json, bench/fp8_block.py --variants): RECIPROCAL casts x * (1 / s), one
+# division per block instead of per element (the XLA form follows, so the implementations stay
+# bit-equal: 0 differing values on every operand there); AMAX_IN_INPUT_DTYPE takes the blocks' amax on
+# the bf16 input before the fp32 upcast (exact: abs and max round nothing). Both on: x 1.05 against
+# 1.50 ms, the activation's gradient 0.66 against 0.88, wi 1.37 against 1.54 (8 warps).
+RECIPROCAL = True
+AMAX_IN_INPUT_DTYPE = True
 
 
 def blocks(n: int) -> int:

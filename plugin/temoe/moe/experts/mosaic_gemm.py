@@ -80,10 +80,7 @@ class TileConfig:
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
-  accumulators, promoting the first while the second's wgmma runs; roll (with overlap) keeps one
-  wgmma in flight across the pairs too (the next k-block is issued before each promotion); cluster 2
-  runs CTA pairs on neighbouring column tiles of the same rows, each loading half of the shared A
-  tile and multicasting it to both (TMA multicast: half of A's L2 -> SMEM traffic)."""
+  accumulators, promoting the first while the second's wgmma runs."""
 
   block_m: int = 128
   block_n: int = 256
@@ -94,8 +91,6 @@ class TileConfig:
   epi_n: int | None = None
   promote: int = 0
   overlap: bool = False
-  roll: bool = False
-  cluster: int = 1
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -105,10 +100,6 @@ class TileConfig:
       s += f"p{self.promote}"
     if self.overlap:
       s += "o"
-    if self.roll:
-      s += "r"
-    if self.cluster > 1:
-      s += f"c{self.cluster}"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -146,7 +137,12 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # the accumulator registers, so a warpgroup's tile is 64 x 128 (64 x 256 would need 256 registers a
 # thread for the two alone); the best of five configs for all six dsv3 GEMMs in the H200 sweep
 # (bench/results/mosaic_gemm_blockwise.json: 1,007-1,078 TFLOP/s forward and dgrad, 829-839 wgrad;
-# without `overlap` 908-951 / 745-779 in the same call).
+# without `overlap` 908-951 / 745-779 in the same call). Measured and not kept (one H200 call,
+# bench/results/mosaic_gemm_blockwise.pipelines.json): a rolling pipeline that keeps one wgmma in
+# flight across pairs by re-zeroing two live accumulators (400-480 TFLOP/s: the zeroing store
+# serialises the warpgroup), and CTA pairs sharing A by TMA multicast (1,008-1,056 against
+# 1,027-1,085; for "current" 128 x 256 tiles 1,200-1,372 against 1,308-1,426:
+# mosaic_gemm.cluster.json), so halving A's L2 -> SMEM traffic is not what bounds these kernels.
 _DEFAULTS = {
     ("rows", "current"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
     ("rows", "none"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
@@ -231,12 +227,6 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
     problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled)} bytes of SMEM > {_SMEM_BYTES}")
   if cfg.stages < 2:
     problems.append("stages must be >= 2")
-  if cfg.cluster not in (1, 2):
-    problems.append(f"cluster={cfg.cluster}: 1 or 2 CTAs")
-  elif cfg.cluster == 2 and -(-cols // cfg.block_n) % 2:
-    problems.append(f"cluster=2 pairs column tiles: {cols} columns make an odd number of block_n={cfg.block_n} tiles")
-  if cfg.roll and not (block_scaled and cfg.overlap):
-    problems.append("roll needs block scaling and overlap")
   if block_scaled:
     if jnp.dtype(a_dtype) not in _FP8 or jnp.dtype(b_dtype) not in _FP8:
       problems.append("block scaling needs FP8 operands")
@@ -360,16 +350,9 @@ def _grouped_kernel(
     _, rows, cols = out_shape
     contract = None
   grid_m, grid_n = -(-rows // bm), -(-cols // bn)
-  # A cluster of CL CTAs takes CL neighbouring column tiles of the same row tile (same expert, same
-  # contraction range): the tiles below are cluster tiles, CL columns wide.
-  CL = cfg.cluster
-  if sms % CL:
-    raise ValueError(f"cluster={CL} needs an SM count that is a multiple of it, got {sms}")
-  clusters = sms // CL
-  grid_nc = grid_n // CL
-  tiles_per_plane = grid_m * grid_nc
+  tiles_per_plane = grid_m * grid_n
   num_tiles = tiles_per_plane if form == "rows" else num_groups * tiles_per_plane
-  band = max(1, cfg.grid_block_n // CL)
+  band = cfg.grid_block_n
   nk_static = -(-contract // bk) if form == "rows" else None
   b_block = (bn, bk) if b_rc else (bk, bn)
   # "cr" A tiles are split per compute warpgroup (one TMA each): no slicing of the swizzled dim.
@@ -383,13 +366,10 @@ def _grouped_kernel(
       scale_smem["sb_smem"] = plgpu.SMEM((S, bn), jnp.float32)
 
   def tile_info(t, sched_refs):
-    """(group, a_row0, b_row0, k_block0, num_k_blocks, out_row0, out_col0) of this CTA's output tile
-    in cluster tile t."""
-    cta = lax.axis_index("cluster") if CL > 1 else 0
+    """(group, a_row0, b_row0, k_block0, num_k_blocks, out_row0, out_col0) of output tile t."""
     if form == "rows":
       (tg_ref,) = sched_refs
-      mi, nc = tile_coords(t, grid_m, grid_nc, band)
-      ni = nc * CL + cta
+      mi, ni = tile_coords(t, grid_m, grid_n, band)
       g = tg_ref[mi]
       valid = g >= 0
       g = jnp.maximum(g, 0)
@@ -397,8 +377,7 @@ def _grouped_kernel(
       return g, mi * bm, ni * bn, jnp.int32(0), nk, mi * bm, ni * bn
     order_ref, start_ref, nblk_ref = sched_refs
     gi = t // tiles_per_plane
-    mi, nc = tile_coords(t % tiles_per_plane, grid_m, grid_nc, band)
-    ni = nc * CL + cta
+    mi, ni = tile_coords(t % tiles_per_plane, grid_m, grid_n, band)
     g = order_ref[gi]
     return g, mi * bm, ni * bn, start_ref[g], nblk_ref[g], mi * bm, ni * bn
 
@@ -411,8 +390,8 @@ def _grouped_kernel(
       a_gmem, b_gmem, scale_gmem, o_gmem = refs[n_sched:]
       sa_gmem = sb_gmem = None
 
-    sm = lax.axis_index("sm")  # the cluster's index (an SM's, without clusters)
-    n_local = (num_tiles - sm + (clusters - 1)) // clusters  # tiles sm, sm + clusters, ... < num_tiles
+    sm = lax.axis_index("sm")
+    n_local = (num_tiles - sm + (sms - 1)) // sms  # tiles sm, sm + sms, ... < num_tiles
 
     @functools.partial(
         pl.run_scoped,
@@ -420,9 +399,7 @@ def _grouped_kernel(
         b_smem=plgpu.SMEM((S, *b_block), b_dtype, transforms=_smem_transforms(b_dtype)),
         o_smem=plgpu.SMEM((C, wm, epi), out_dtype, transforms=_out_transforms(out_dtype, epi)),
         produced=plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=S),
-        # with a cluster, A's slot is written into both CTAs: both CTAs' consumers release it
-        consumed=(plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=C, num_barriers=S) if CL > 1
-                  else plgpu.Barrier(num_arrivals=C, num_barriers=S)),
+        consumed=plgpu.Barrier(num_arrivals=C, num_barriers=S),
         collective_axes="wg",
         **scale_smem,
     )
@@ -436,10 +413,8 @@ def _grouped_kernel(
       def _producer():
         plgpu.set_max_registers(40, action="decrease")
 
-        multicast = {"collective_axes": "cluster"} if CL > 1 else {}
-
         def tile_loop(i, step):
-          g, a_row0, b_row0, k0, nk, _, _ = tile_info(sm + i * clusters, sched_refs)
+          g, a_row0, b_row0, k0, nk, _, _ = tile_info(sm + i * sms, sched_refs)
           bsrc = b_view(g)
 
           def k_loop(kk, step):
@@ -452,13 +427,12 @@ def _grouped_kernel(
             kc = (k0 + kk) * bk
             if a_rc:
               plgpu.copy_gmem_to_smem(
-                  a_gmem.at[pl.ds(a_row0, bm), pl.ds(kc, bk)], a_smem.at[slot], produced.at[slot], **multicast
+                  a_gmem.at[pl.ds(a_row0, bm), pl.ds(kc, bk)], a_smem.at[slot], produced.at[slot]
               )
             else:
               for w in range(C):
                 plgpu.copy_gmem_to_smem(
-                    a_gmem.at[pl.ds(kc, bk), pl.ds(a_row0 + w * wm, wm)], a_smem.at[slot, w], produced.at[slot],
-                    **multicast,
+                    a_gmem.at[pl.ds(kc, bk), pl.ds(a_row0 + w * wm, wm)], a_smem.at[slot, w], produced.at[slot]
                 )
             if b_rc:
               bsl = bsrc.at[pl.ds(b_row0, bn), pl.ds(kc, bk)]
@@ -557,53 +531,8 @@ def _grouped_kernel(
           acc = plgpu.ACC((wm, bn), jnp.float32)
           return step + 2, pl.run_scoped(accs_scope, acc, acc)
 
-        def block_scaled_rolling(step, total, g, b_row0, nk):
-          """nk k-blocks alternating between two accumulators, one wgmma always in flight: k-block
-          kk + 1 is issued before kk is promoted (TileConfig.roll). Loops of trip count 0 or 1 stand
-          for the conditionals (an accumulator is carried through loops, not through conds); a
-          k-block's weight scale is read when it is issued and carried to its promotion."""
-          zeros = plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), plgpu.Layout.WGMMA)
-
-          def issue(acc, kk):
-            slot = lax.rem(step + kk, S)
-            plgpu.barrier_wait(produced.at[slot])
-            mma(acc, slot)
-            return weight_scale(g, kk, b_row0)
-
-          def retire(total, acc, kk, sb, wait_n):
-            part = plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
-            acc[...] = zeros
-            return promote(total, part, lax.rem(step + kk, S), sb)
-
-          def accs_scope(a0, a1):
-            sb0 = weight_scale(g, 0, b_row0)
-            lax.fori_loop(0, jnp.minimum(nk, 1), lambda _, c: (issue(a0, 0), c)[1], 0)
-            pairs = jnp.maximum(nk - 1, 0) // 2  # k-blocks 2j, 2j + 1 retired; 2j + 2 left in flight
-
-            def pair(j, carry):
-              total, sb0 = carry
-              kk = 2 * j
-              sb1 = issue(a1, kk + 1)
-              total = retire(total, a0, kk, sb0, 1)
-              sb0 = issue(a0, kk + 2)
-              return retire(total, a1, kk + 1, sb1, 1), sb0
-
-            total2, sb0 = lax.fori_loop(0, pairs, pair, (total, sb0))
-            kr = 2 * pairs  # in flight in a0 (if nk > 0); nk - kr in {0, 1, 2}
-
-            def last_two(_, total):
-              sb1 = issue(a1, kr + 1)
-              total = retire(total, a0, kr, sb0, 1)
-              return retire(total, a1, kr + 1, sb1, 0)
-
-            total2 = lax.fori_loop(0, jnp.where(nk - kr == 2, 1, 0), last_two, total2)
-            return lax.fori_loop(0, jnp.where(nk - kr == 1, 1, 0), lambda _, t: retire(t, a0, kr, sb0, 0), total2)
-
-          acc = plgpu.ACC((wm, bn), jnp.float32)
-          return step + nk, pl.run_scoped(accs_scope, acc, acc)
-
         def tile_loop(i, step):
-          g, _, b_row0, _, nk, o_row0, o_col0 = tile_info(sm + i * clusters, sched_refs)
+          g, _, b_row0, _, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
 
           def run_chunk(step, lo, hi):
             """k-blocks [lo, hi) into a fresh accumulator; returns (step, fp32 value)."""
@@ -622,9 +551,7 @@ def _grouped_kernel(
 
           if block_scaled:
             carry = (step, plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), plgpu.Layout.WGMMA))
-            if cfg.roll:
-              carry = block_scaled_rolling(*carry, g, b_row0, nk)
-            elif cfg.overlap:
+            if cfg.overlap:
               pairs = nk // 2
               carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(j, c, g, b_row0), carry)
               carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
@@ -664,9 +591,8 @@ def _grouped_kernel(
   return plgpu.kernel(
       body,
       out_type=() if inplace else jax.ShapeDtypeStruct(out_shape, out_dtype),
-      grid=(clusters,),
+      grid=(sms,),
       grid_names=("sm",),
-      **({"cluster": (CL,), "cluster_names": ("cluster",)} if CL > 1 else {}),
       num_threads=C + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
