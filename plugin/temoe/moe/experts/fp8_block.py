@@ -26,10 +26,11 @@ are not) the same math as XLA expressions (`impl="xla"`).
 The passes that remain, per MoE layer (mosaic_gemm.grouped_matmul calls these; times measured alone
 on the H200 for DeepSeek-V3's layer, 69,632 buffer rows, shipped form: bench/results/fp8_block.json,
 `triton_recip+bf16amax_w4`/`_w8`): one pass over each bf16 operand a producer wrote, x (the dispatch
-gather's output) 1.05 ms, h (the activation's output) 0.47 ms, the incoming gradient dy (the combine's
-backward) about x's, and the activation's gradient 0.66 ms, at 1.2-1.9 TB/s; each weight once per step
-into both layouts, wi 1.37 ms and wo 0.86 ms (2.2-2.7 TB/s). The per-element division they had
-before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms in the same call. `quantize_gathered` fuses two of them
+gather's output's shape, quantize_both alone) 1.05 ms, h (the activation's output) 0.47 ms, the
+activation's gradient 0.66 ms, at 1.2-1.9 TB/s, and the incoming gradient dy (the combine's backward,
+x's shape; not timed alone); each weight once per step into both layouts, wi 1.37 ms and wo 0.86 ms
+(2.2-2.7 TB/s). The per-element division they had before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms
+(x, h, the activation's gradient, wi, wo) in the same call. `quantize_gathered` fuses two of them
 into their producers' reads: x's rows gathered from the tokens, and dy's from the tokens' gradient
 times the routing weights (`mosaic_tokens`, the default on one device: 26.9 against 27.9 ms for the
 layer on the H200, bench/results/moe_layer.json). The activation is XLA's; a warpgroup's tile
