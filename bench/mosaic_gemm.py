@@ -45,6 +45,7 @@ SHAPES = {
     "dsv3": dict(hidden=7168, ffn=2048, experts=32, tokens=8192, top_k=8),
     "dsv3_ep8": dict(hidden=7168, ffn=2048, experts=8, tokens=8192, top_k=2),
     "qwen3_30b_a3b": dict(hidden=2048, ffn=768, experts=128, tokens=8192, top_k=8),
+    "small_dsv3": dict(hidden=1024, ffn=512, experts=32, tokens=8192, top_k=8),  # the small model's layer
     "smoke": dict(hidden=256, ffn=128, experts=4, tokens=256, top_k=2),  # first stage of a device call
 }
 TC = mz.TileConfig
@@ -66,6 +67,20 @@ BLOCKWISE_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
     TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
+]
+# bf16 ("none"): a 128-byte k-block is 64 elements, so a stage holds half the FP8 contraction; the
+# short-K shapes (the small model's 1024 / 512) have few k-blocks per tile, so smaller and deeper
+# tiles are in the list beside the FP8 default's 128 x 256 (at most 4 stages of 128 x 256 and 6 of
+# 128 x 128 fit the 227 KiB of shared memory with the epilogue's buffer).
+BF16_CONFIGS = [
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=8),
+    TC(block_m=128, block_n=256, stages=3, compute_wgs=2, grid_block_n=4, epi_n=256),
+    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=4),
+    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8),
+    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=16),
+    TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
+    TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=2),
 ]
 QUICK = 3  # --quick: first configs of each list only
 
@@ -190,6 +205,10 @@ def _quantized(p: Problem, ops, scaling: str):
   tiles = mz.tile_groups(p.sizes, p.rows // mz.ROW_ALIGNMENT, mz.ROW_ALIGNMENT)
   rg = jnp.repeat(jnp.clip(tiles, 0, p.experts - 1), mz.ROW_ALIGNMENT)
   out = {}
+  if scaling == "none":  # bf16: the operands as they are, in the layouts grouped_matmul passes
+    for name in ("x", "act", "dy_up", "dy_down", "wi", "wo"):
+      out[name] = (ops[name], None, f32(ops[name]))
+    return out
   for name in ("x", "act", "dy_up", "dy_down"):
     if scaling == "current":
       dtype = mz.E5M2 if name.startswith("dy") else mz.E4M3
@@ -214,11 +233,13 @@ def _quantized(p: Problem, ops, scaling: str):
 
 
 def gemm_specs(p: Problem, ops, scaling: str = "current"):
-  """The six FP8 GEMMs: name -> (form, a, b, scale kwargs, flops, float32 operand values (a, b) as the
-  kernel sees them, bf16 originals (a, b) for the recipe error)."""
+  """The six GEMMs: name -> (form, a, b, scale kwargs, flops, float32 operand values (a, b) as the
+  reference takes them, bf16 originals (a, b) for the recipe error, static layout kwargs)."""
   q = _quantized(p, ops, scaling)
   tr = jax.jit(lambda a: jnp.swapaxes(a, -1, -2))
   r, h, f = p.real, p.hidden, p.ffn
+  if scaling == "none":
+    return _bf16_specs(q, tr, r, h, f)
 
   def spec(form, a, b, flops, orig):
     qa, sa, va = q[a]
@@ -231,7 +252,7 @@ def gemm_specs(p: Problem, ops, scaling: str = "current"):
       kw = {"scales": 1.0 / (sa * sb)}
     else:
       kw = {"scales": 1.0 / (sa * sb)}
-    return (form, qa, qb, kw, flops, (va, vb), orig)
+    return (form, qa, qb, kw, flops, (va, vb), orig, {})
 
   return {
       "gateup_fwd": spec("rows", "x", "wi^T", 2 * r * h * 2 * f, (ops["x"], tr(ops["wi"]))),
@@ -243,10 +264,30 @@ def gemm_specs(p: Problem, ops, scaling: str = "current"):
   }
 
 
-def kernel_fn(form, cfg, sizes, kw_names):
+def _bf16_specs(q, tr, r, h, f):
+  """The six bf16 GEMMs in the layouts grouped_matmul(scaling="none") passes: the weights as stored
+  (G, K, N) in the forward (b_contract_minor=False) and dgrad, token-major x and dy in wgrad."""
+  def spec(form, a, b, flops, ref_a, ref_b, static):
+    return (form, q[a][0], q[b][0], {}, flops, (ref_a, ref_b), (q[a][0], q[b][0]), static)
+
+  v = {k: q[k][2] for k in q}
+  return {
+      "gateup_fwd": spec("rows", "x", "wi", 2 * r * h * 2 * f, v["x"], tr(v["wi"]), {"b_contract_minor": False}),
+      "down_fwd": spec("rows", "act", "wo", 2 * r * f * h, v["act"], tr(v["wo"]), {"b_contract_minor": False}),
+      "gateup_dgrad": spec("rows", "dy_up", "wi", 2 * r * 2 * f * h, v["dy_up"], v["wi"], {}),
+      "down_dgrad": spec("rows", "dy_down", "wo", 2 * r * h * f, v["dy_down"], v["wo"], {}),
+      "gateup_wgrad": spec("contract", "x", "dy_up", 2 * r * h * 2 * f, tr(v["x"]), tr(v["dy_up"]),
+                           {"a_contract_minor": False, "b_contract_minor": False}),
+      "down_wgrad": spec("contract", "act", "dy_down", 2 * r * f * h, tr(v["act"]), tr(v["dy_down"]),
+                         {"a_contract_minor": False, "b_contract_minor": False}),
+  }
+
+
+def kernel_fn(form, cfg, sizes, kw_names, static=None):
+  static = static or {}
   if form == "rows":
-    return lambda a, b, *kw: mz.ragged_rows_matmul(a, b, sizes, config=cfg, **_kwargs(kw_names, kw))
-  return lambda a, b, *kw: mz.ragged_contract_matmul(a, b, sizes, config=cfg, **_kwargs(kw_names, kw))
+    return lambda a, b, *kw: mz.ragged_rows_matmul(a, b, sizes, config=cfg, **static, **_kwargs(kw_names, kw))
+  return lambda a, b, *kw: mz.ragged_contract_matmul(a, b, sizes, config=cfg, **static, **_kwargs(kw_names, kw))
 
 
 def _kwargs(names, values):
@@ -266,14 +307,14 @@ def reference(form, a, b, sizes, block_m=128):
 
 
 def sweep_gemm(name, spec, p: Problem, configs, pool):
-  form, a, b, kw, flops, values, originals = spec
+  form, a, b, kw, flops, values, originals, static = spec
   names, vals = list(kw), [kw[k] for k in kw]
   out = {"flops": flops, "form": form, "configs": []}
   ref = reference(form, values[0], values[1], p.sizes)
   lowered = []
   for cfg in configs:
     try:
-      lowered.append((cfg, jax.jit(kernel_fn(form, cfg, p.sizes, names)).lower(a, b, *vals)))
+      lowered.append((cfg, jax.jit(kernel_fn(form, cfg, p.sizes, names, static)).lower(a, b, *vals)))
     except Exception as exc:  # pylint: disable=broad-exception-caught
       out["configs"].append({"config": cfg.name(), "fields": dataclasses.asdict(cfg), "error": err_line(exc)})
   compiled = list(pool.map(lambda cl: _try(lambda: cl[1].compile()), lowered))
@@ -310,9 +351,10 @@ def sweep_gemm(name, spec, p: Problem, configs, pool):
                    "ms": best[1]["ms"]}
     # the FP8 recipe's error: the best config's output against float32 on the bf16 originals
     try:
-      y = jax.jit(kernel_fn(form, best[0], p.sizes, names))(a, b, *vals)
+      y = jax.jit(kernel_fn(form, best[0], p.sizes, names, static))(a, b, *vals)
       f32 = lambda v: v.astype(jnp.float32)
-      ref0 = reference(form, f32(originals[0]), f32(originals[1]), p.sizes)
+      oa, ob = (values if static else (f32(originals[0]), f32(originals[1])))
+      ref0 = reference(form, oa, ob, p.sizes)
       out["best"]["recipe_rel_err_vs_bf16"] = rel(y, ref0)
       del y, ref0
     except Exception as exc:  # pylint: disable=broad-exception-caught
@@ -462,8 +504,8 @@ def main() -> None:
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--shapes", default="dsv3,dsv3_ep8,qwen3_30b_a3b")
   parser.add_argument("--gemms", default="gateup_fwd,down_fwd,gateup_dgrad,down_dgrad,gateup_wgrad,down_wgrad")
-  parser.add_argument("--scaling", default="current", choices=("current", "blockwise"),
-                      help="the FP8 recipe swept: per-expert current scaling or DeepSeek-V3's block scales")
+  parser.add_argument("--scaling", default="current", choices=("current", "blockwise", "none"),
+                      help="the recipe swept: FP8 per-expert current scaling, DeepSeek-V3's block scales, or bf16 (none)")
   parser.add_argument("--quick", action="store_true", help=f"first {QUICK} configs per GEMM only")
   parser.add_argument("--max-configs", type=int, default=None, help="first N configs per GEMM only")
   parser.add_argument("--configs", default="", help="comma list of TileConfig names (TileConfig.name()) to keep")
@@ -532,6 +574,8 @@ def run_shapes(args, result, json_path, pool, t_start):
       form = specs[g][0]
       if args.scaling == "blockwise":
         configs = BLOCKWISE_CONFIGS
+      elif args.scaling == "none":
+        configs = BF16_CONFIGS
       else:
         configs = ROWS_CONFIGS if form == "rows" else CONTRACT_CONFIGS
       configs = configs[:QUICK] if args.quick else configs
