@@ -10,6 +10,7 @@ the TMA ring wraps; performance is measured on the GPU only (tests/gpu/test_mosa
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -66,6 +67,15 @@ def test_tile_groups_edge_loads():
   np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([0, 512, 0]), 4, 128)), [1, 1, 1, 1])
   np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([0, 0]), 3, 128)), [-1, -1, -1])
   np.testing.assert_array_equal(np.asarray(tile_groups(jnp.array([128, 0, 256]), 5, 128)), [0, 2, 2, -1, -1])
+
+
+def test_schedules_compile_without_a_while_loop():
+  """XLA:GPU runs a while loop from the host (its predicate copied back every iteration), so the
+  schedules every grouped GEMM computes on device must be loop-free."""
+  sizes = jnp.asarray([256, 0, 1024, 128] * 8, jnp.int32)
+  for fn in (lambda s: mz.tile_groups(s, 544, 128), lambda s: mz.contraction_schedule(s, 64)):
+    text = jax.jit(fn).lower(sizes).compile().as_text()
+    assert not re.search(r"\bwhile\(", text), text
 
 
 @pytest.mark.parametrize("seed", range(2))

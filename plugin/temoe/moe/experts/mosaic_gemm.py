@@ -261,10 +261,13 @@ def tile_groups(group_sizes: jax.Array, num_tiles: int, block_m: int) -> jax.Arr
   """(num_tiles,) int32: the expert owning rows [t*block_m, (t+1)*block_m), or -1 past the groups.
 
   Groups are assumed padded to multiples of block_m (ROW_ALIGNMENT), so no tile straddles two.
+  One fused compare of every tile start against every group end: searchsorted's default binary
+  search is a `while` loop, which XLA:GPU runs from the host (a device-to-host copy of the loop
+  predicate and a wait per iteration), outside CUDA graphs, in every rows-form GEMM.
   """
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
   starts = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
-  g = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+  g = jnp.searchsorted(ends, starts, side="right", method="compare_all").astype(jnp.int32)
   return jnp.where(starts < ends[-1], g, -1).astype(jnp.int32)
 
 
