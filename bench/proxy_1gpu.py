@@ -105,6 +105,8 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_keep_fp8w": (SHIPPED, ["te_moe_fp8_weights=device"], False),  # weights not quantized again
     "temoe_fp8_blockwise_keep_fp8w": (SHIPPED, ["te_gmm_quantization=te_fp8_blockwise", "te_moe_fp8_weights=device"],
                                       False),
+    "temoe_fp8_unrolled": (SHIPPED, ["scan_layers=false"], False),  # layers unrolled: no layer scan (a while loop)
+    "stock_best_unrolled": (SHIPPED, [*STOCK_MOE, "scan_layers=false"], False),
     "temoe_fp8_scan0": (SHIPPED, ["param_scan_axis=0"], False),  # layers first: no transposed copy per step
     "stock_best_scan0": (SHIPPED, [*STOCK_MOE, "param_scan_axis=0"], False),
     "temoe_fp8_batch4": (SHIPPED, ["per_device_batch_size=4"], False),  # memory-plan checks: twice the tokens,

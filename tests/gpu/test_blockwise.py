@@ -214,7 +214,7 @@ def test_blockwise_fwd_bwd_hlo_stays_on_device():
   targets = set(re.findall(r'custom_call_target="([^"]+)"', text))
   hostish = {t for t in targets if re.search(r"callback|host|python|cpu", t, re.I)}
   assert not hostish, hostish
-  # no host transfer, and no while loop (XLA:GPU copies its predicate to the host every iteration)
+  # no host transfer, and no while loop (XLA:GPU launches each iteration from the host)
   for pattern in (r"\bsend\(", r"\brecv\(", r"\binfeed\(", r"\boutfeed\(", r"S\(5\)", r"MoveToHost", r"MoveToDevice",
                   r"\bwhile\("):
     assert not re.search(pattern, text), pattern

@@ -70,7 +70,7 @@ def test_tile_groups_edge_loads():
 
 
 def test_schedules_compile_without_a_while_loop():
-  """XLA:GPU runs a while loop from the host (its predicate copied back every iteration), so the
+  """XLA:GPU runs a while loop from the host (each iteration launched, outside CUDA graphs), so the
   schedules every grouped GEMM computes on device must be loop-free."""
   sizes = jnp.asarray([256, 0, 1024, 128] * 8, jnp.int32)
   for fn in (lambda s: mz.tile_groups(s, 544, 128), lambda s: mz.contraction_schedule(s, 64)):

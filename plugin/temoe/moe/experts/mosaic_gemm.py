@@ -262,8 +262,8 @@ def tile_groups(group_sizes: jax.Array, num_tiles: int, block_m: int) -> jax.Arr
 
   Groups are assumed padded to multiples of block_m (ROW_ALIGNMENT), so no tile straddles two.
   One fused compare of every tile start against every group end: searchsorted's default binary
-  search is a `while` loop, which XLA:GPU runs from the host (a device-to-host copy of the loop
-  predicate and a wait per iteration), outside CUDA graphs, in every rows-form GEMM.
+  search is a `while` loop, which XLA:GPU runs from the host, outside CUDA graphs: the host launches
+  every iteration (and, where the trip count is not known, copies the predicate back and waits).
   """
   ends = jnp.cumsum(group_sizes.astype(jnp.int32))
   starts = jnp.arange(num_tiles, dtype=jnp.int32) * block_m
