@@ -46,7 +46,9 @@ SHAPES = {
     "dsv3_ep8": dict(hidden=7168, ffn=2048, experts=8, tokens=8192, top_k=2),
     "qwen3_30b_a3b": dict(hidden=2048, ffn=768, experts=128, tokens=8192, top_k=8),
     "small_dsv3": dict(hidden=1024, ffn=512, experts=32, tokens=8192, top_k=8),  # the small model's layer
+    "gpt_oss_like": dict(hidden=2880, ffn=2880, experts=128, tokens=8192, top_k=4),  # dims of whole 64s, not 128s
     "smoke": dict(hidden=256, ffn=128, experts=4, tokens=256, top_k=2),  # first stage of a device call
+    "smoke64": dict(hidden=192, ffn=192, experts=4, tokens=128, top_k=2),  # CPU test: whole 64s, not 128s
 }
 TC = mz.TileConfig
 ROWS_CONFIGS = [
@@ -55,6 +57,7 @@ ROWS_CONFIGS = [
     TC(block_m=128, block_n=256, stages=3, compute_wgs=2, grid_block_n=4, epi_n=256),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, promote=4),
+    TC(block_m=128, block_n=64, stages=6, compute_wgs=2, grid_block_n=8),
 ]
 CONTRACT_CONFIGS = ROWS_CONFIGS[:2] + [
     TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
@@ -81,6 +84,8 @@ BF16_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=16),
     TC(block_m=256, block_n=128, stages=4, compute_wgs=2, grid_block_n=4, epi_n=64),
     TC(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=2),
+    TC(block_m=128, block_n=64, stages=8, compute_wgs=2, grid_block_n=8),
+    TC(block_m=64, block_n=256, stages=4, compute_wgs=1, grid_block_n=4),
 ]
 QUICK = 3  # --quick: first configs of each list only
 
@@ -209,6 +214,10 @@ def _quantized(p: Problem, ops, scaling: str):
     for name in ("x", "act", "dy_up", "dy_down", "wi", "wo"):
       out[name] = (ops[name], None, f32(ops[name]))
     return out
+  # grouped_matmul's FP8 copies: padded to copy_dim (current scaling keeps whole 64s, blockwise pads to 128s)
+  ops = {k: mz.pad_to(v, (*v.shape[:-2], *(mz.copy_dim(d, scaling) if i or v.ndim == 3 else d
+                                           for i, d in enumerate(v.shape[-2:]))))
+         for k, v in ops.items()}
   for name in ("x", "act", "dy_up", "dy_down"):
     if scaling == "current":
       dtype = mz.E5M2 if name.startswith("dy") else mz.E4M3
@@ -306,10 +315,34 @@ def reference(form, a, b, sizes, block_m=128):
   return ref_contract(a, b, sizes)
 
 
-def sweep_gemm(name, spec, p: Problem, configs, pool):
+def gemm_dims(form, a, b, static):
+  """(output rows or None, output columns, contraction) of one GEMM's operands, as the kernels read them."""
+  if form == "rows":
+    return None, (b.shape[1] if static.get("b_contract_minor", True) else b.shape[2]), a.shape[1]
+  m_out = a.shape[0] if static.get("a_contract_minor", True) else a.shape[1]
+  n_out, t = b.shape if static.get("b_contract_minor", True) else b.shape[::-1]
+  return m_out, n_out, t
+
+
+def with_default(configs, form, scaling, a, b, static):
+  """The configs to sweep for one GEMM: grouped_matmul's default for it first, then the list's, each
+  current-scaling config over a contraction of whole 64s but not 128s in 64-element k-blocks (twice the
+  stages, as the default takes them)."""
+  m_out, n_out, contract = gemm_dims(form, a, b, static)
+  out = [mz.default_config(form, scaling, n_out, m_out, contract)]
+  for cfg in configs:
+    if scaling == "current" and contract % 128 and cfg.block_k is None:
+      cfg = dataclasses.replace(cfg, block_k=64, stages=2 * cfg.stages)
+    if cfg not in out:
+      out.append(cfg)
+  return out
+
+
+def sweep_gemm(name, spec, p: Problem, configs, pool, scaling="current"):
   form, a, b, kw, flops, values, originals, static = spec
   names, vals = list(kw), [kw[k] for k in kw]
-  out = {"flops": flops, "form": form, "configs": []}
+  configs = with_default(configs, form, scaling, a, b, static)
+  out = {"flops": flops, "form": form, "default": configs[0].name(), "configs": []}
   ref = reference(form, values[0], values[1], p.sizes)
   lowered = []
   for cfg in configs:
@@ -353,7 +386,7 @@ def sweep_gemm(name, spec, p: Problem, configs, pool):
     try:
       y = jax.jit(kernel_fn(form, best[0], p.sizes, names, static))(a, b, *vals)
       f32 = lambda v: v.astype(jnp.float32)
-      ref0 = reference(form, f32(originals[0]), f32(originals[1]), p.sizes)
+      ref0 = reference(form, *(mz.pad_to(f32(o), v.shape) for o, v in zip(originals, values)), p.sizes)
       out["best"]["recipe_rel_err_vs_bf16"] = rel(y, ref0)
       del y, ref0
     except Exception as exc:  # pylint: disable=broad-exception-caught
@@ -582,7 +615,7 @@ def run_shapes(args, result, json_path, pool, t_start):
       if args.configs:
         configs = [c for c in configs if c.name() in args.configs.split(",")]
       try:
-        sres["gemms"][g], best_cfgs[g] = sweep_gemm(g, specs[g], p, configs, pool)
+        sres["gemms"][g], best_cfgs[g] = sweep_gemm(g, specs[g], p, configs, pool, args.scaling)
       except Exception as exc:  # pylint: disable=broad-exception-caught
         sres["gemms"][g] = {"error": err_line(exc), "traceback": traceback.format_exc()[-2000:]}
       with open(json_path, "w", encoding="utf-8") as f:

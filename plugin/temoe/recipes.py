@@ -32,8 +32,19 @@ MOSAIC_DIM_MULTIPLE = {"none": 64, "current": 16, "blockwise": 16}
 GPU kernels (temoe.moe.experts.mosaic_gemm.check_shapes). wgmma reads operands from 128-byte
 swizzled shared-memory tiles, and Mosaic GPU's TMA needs every dim it tiles to be a multiple of the
 tile: 64 bf16 elements. bf16 reads the weights as stored, so K and N must be multiples of 64. FP8
-operands are fresh copies every step (the quantizers write them), so they are written padded to
-whole 128-element tiles at no extra pass, and K and N need only be multiples of 16 (16-byte rows)."""
+operands are fresh copies every step (the quantizers write them), so they are written padded where
+needed at no extra pass (mosaic_copy_dim), and K and N need only be multiples of 16 (16-byte rows)."""
+
+
+def mosaic_copy_dim(d: int, scaling: str) -> int:
+  """The size, along a dim of true size d, of the FP8 copies temoe's Hopper kernels read for `scaling`.
+  A copy's rows are read as swizzled tiles of one k-block (64 or 128 bytes), whole tiles only (Mosaic
+  GPU's TMA): block scaling pads to whole 128-element tiles (one scale per 128 of the contraction);
+  current scaling keeps d where it is whole 64-element k-blocks (its GEMMs then contract in 64-element
+  k-blocks: no padded copy, no output to slice) and pads to 128 elsewhere; bf16 reads operands as stored."""
+  if scaling == "none" or (scaling == "current" and d % 64 == 0):
+    return d
+  return -(-d // 128) * 128
 
 
 @dataclasses.dataclass(frozen=True)

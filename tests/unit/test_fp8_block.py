@@ -232,8 +232,11 @@ def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap):
   assert rel(dw, ref) < 4e-3
 
 
-def test_blockwise_grouped_matmul_on_dims_that_are_not_multiples_of_128():
-  m, k, n = 600, 208, 160  # K, N multiples of 16 only: the FP8 copies are padded to 256 x 256
+@pytest.mark.parametrize("m, k, n", [
+    (600, 208, 160),  # K, N multiples of 16 only: the copies are padded to 256 x 256, the outputs sliced
+    (ROWS, 192, 320),  # whole 64s: copies padded to 256 x 384, outputs written at 192 and 320 (stores clipped)
+])
+def test_blockwise_grouped_matmul_on_dims_that_are_not_multiples_of_128(m, k, n):
   rng = np.random.default_rng(5)
   x = operand(rng, (m, k), spread=1.0).at[USED:].set(0)
   w = jnp.asarray(rng.standard_normal((4, k, n)) * k**-0.5, jnp.bfloat16)

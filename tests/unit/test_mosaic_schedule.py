@@ -155,10 +155,21 @@ def test_default_config_divides_the_shapes():
         assert n % cfg.block_n == 0 and cfg.block_n % cfg.resolved_epi_n() == 0
         assert (cfg.block_m // cfg.compute_wgs) % 64 == 0
         assert cfg.smem_bytes(dtype, dtype, jnp.bfloat16, scaling == "blockwise") <= 227 * 1024
-  # the largest tile that divides (2880 = 45 x 64); else the one wasting the fewest columns past the
-  # end, the larger on a tie (2896: 256 wastes 176, 128 and 64 waste 48)
-  assert mz.default_config("rows", "none", 2880).block_n == 64
-  assert mz.default_config("rows", "current", 2896).block_n == 128
+  # the least ceil(n / t) * (t + TILE_FIXED_COLUMNS): 2880 takes 256 (12 x 288 = 3456 against 23 x 160 =
+  # 3680 for 128 and 45 x 96 = 4320 for 64), as does 2896 (3456 / 3680 / 4368); 320 takes 128 (480 for
+  # 128 and for 64, the larger on a tie; 576 for 256); the wgrad form's rows the same way (2880 rows: 128)
+  assert mz.TILE_FIXED_COLUMNS == 32
+  assert mz.default_config("rows", "none", 2880).block_n == 256
+  assert mz.default_config("rows", "current", 2896).block_n == 256
+  assert mz.default_config("rows", "none", 320).block_n == 128
+  wgrad = mz.default_config("contract", "none", 2880, 2880)
+  assert (wgrad.block_m, wgrad.compute_wgs, wgrad.block_n) == (128, 2, 256)
+  # current scaling contracting over whole 64s but not 128s (2880): 64-element k-blocks, twice the stages
+  for k, block_k in ((2880, 64), (2944, None), (7168, None)):
+    cfg = mz.default_config("rows", "current", 4096, contract=k)
+    assert cfg.block_k == block_k and cfg.stages == (8 if block_k else 4)
+    assert cfg.smem_bytes(mz.E4M3, mz.E4M3, jnp.bfloat16) <= 227 * 1024
+  assert mz.default_config("rows", "blockwise", 4096, contract=2880).block_k is None  # padded to 2944 instead
 
 
 def test_bad_configs_are_rejected_before_lowering():
@@ -238,6 +249,13 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
       assert float(jnp.max(jnp.abs(ours[0].astype(jnp.float32)))) == 448
   with pytest.raises(ValueError, match="choose one of auto, xla, triton"):
     fq.cast_transpose(x, scale, mz.E4M3, "cuda")
+  # columns that are whole 64s but not 128s (current scaling's unpadded copies): the narrow block
+  narrow = x[:, :, :192]
+  assert fq.block_for(narrow.shape) == fq.NARROW_BLOCK and fq.resolve("triton", narrow.shape) == "triton"
+  ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "triton")
+  ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "xla")
+  for got, want in zip(ours, ref):
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
 
 # ---------------------------------------------------------------------------------- kernels (interpret)
@@ -333,5 +351,60 @@ def test_grouped_matmul_fp8_forward_and_grads():
   assert not y[USED:].any() and not dx[USED:].any() and not dw[1].any()
   # the kernels must reproduce the FP8 recipe exactly, up to fp32 accumulation and bf16 output rounding
   ry, rdx, rdw = per_group_reference(*[np.asarray(a, np.float64) for a in fp8_operands(x, w, sizes, cot)], SIZES)
+  for name, got, ref in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
+    assert rel(jnp.asarray(got), ref) < 4e-3, (name, rel(jnp.asarray(got), ref))
+
+
+def grouped_matmul_grads(scaling, x, w, cot, sms=2):
+  """(y, dx, dw) of grouped_matmul with its default tile configs, in interpret mode, as float32 numpy."""
+  def loss(x, w):
+    y = mz.grouped_matmul(x, w, jnp.asarray(SIZES), scaling=scaling, sms=sms)
+    return jnp.sum(y.astype(jnp.float32) * cot), y
+
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
+  return tuple(np.asarray(a.astype(jnp.float32)) for a in (y, dx, dw))
+
+
+def test_current_scaling_on_dims_of_whole_64s_keeps_its_copies_unpadded():
+  """K = 192 and N = 320 are whole 64-element blocks, not 128s: current scaling's FP8 copies keep the true
+  dims (no pad, no slice in the program), the forward and dgrad contract in 64-element k-blocks, and the
+  outputs' last tiles run past N and K (stores clipped): still the recipe's result, exactly."""
+  m, k, n = ROWS, 192, 320
+  kx, kw, kc = jax.random.split(jax.random.key(6), 3)
+  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
+  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (m, n)).at[USED:].set(0)
+  assert [mz.copy_dim(d, "current") for d in (k, n)] == [192, 320]
+  assert mz.default_config("rows", "current", n, contract=k).block_k == 64
+  grads = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(
+      mz.grouped_matmul(x, w, jnp.asarray(SIZES), scaling="current", sms=2).astype(jnp.float32)), argnums=(0, 1)))
+  program = grads.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  fp8_shapes = set(re.findall(r"tensor<([0-9x]+)xf8E(?:4M3FN|5M2)>", program))
+  assert {"4x192x320", "4x320x192", "512x192", "192x512", "512x320", "320x512"} <= fp8_shapes, fp8_shapes
+  assert not any(d in ("256", "384") for shape in fp8_shapes for d in shape.split("x")), fp8_shapes
+  assert "stablehlo.pad" not in program
+  y, dx, dw = grouped_matmul_grads("current", x, w, cot)
+  assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (4, k, n)
+  assert all(np.isfinite(a).all() for a in (y, dx, dw))
+  assert not y[USED:].any() and not dx[USED:].any() and not dw[1].any()
+  ry, rdx, rdw = per_group_reference(*[np.asarray(a, np.float64) for a in fp8_operands(x, w, jnp.asarray(SIZES), cot)],
+                                     SIZES)
+  for name, got, ref in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
+    assert rel(jnp.asarray(got), ref) < 4e-3, (name, rel(jnp.asarray(got), ref))
+
+
+def test_bf16_tiles_past_the_end_of_the_output_are_clipped():
+  """N = 320 in 128-wide tiles, K = 192 in a 256-wide dgrad tile, wgrad rows in 64s: loads past the
+  operands' ends read zeros, stores past the outputs' ends are dropped (bf16: operands as stored)."""
+  m, k, n = ROWS, 192, 320
+  assert mz.default_config("rows", "none", n).block_n == 128 and mz.default_config("rows", "none", k).block_n == 256
+  kx, kw, kc = jax.random.split(jax.random.key(7), 3)
+  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
+  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (m, n)).astype(jnp.bfloat16).at[USED:].set(0)
+  y, dx, dw = grouped_matmul_grads("none", x, w, cot)
+  assert all(np.isfinite(a).all() for a in (y, dx, dw))
+  ry, rdx, rdw = per_group_reference(*[np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, cot)], SIZES)
   for name, got, ref in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
     assert rel(jnp.asarray(got), ref) < 4e-3, (name, rel(jnp.asarray(got), ref))

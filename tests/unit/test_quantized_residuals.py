@@ -20,7 +20,7 @@ from temoe.tools import hbm_activations
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 4, 256, 128, 96, 2
 
 
-def saved_lines(recipe: str, names: tuple[str, ...], capsys) -> list[str]:
+def saved_lines(recipe: str, names: tuple[str, ...], capsys, emb: int = EMB, ffn: int = FFN) -> list[str]:
   ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128)
   p = dispatch.plan(jnp.asarray(np.arange(TOKENS * TOP_K).reshape(TOKENS, TOP_K) % EXPERTS, jnp.int32), EXPERTS, 128)
 
@@ -28,8 +28,8 @@ def saved_lines(recipe: str, names: tuple[str, ...], capsys) -> list[str]:
     y = mosaic.mlp(ctx, dispatch.dispatch(x, p, TOP_K), p, wi, wo, (None, None, None), None)
     return jnp.sum(y.astype(jnp.float32) ** 2)
 
-  args = (jnp.ones((TOKENS, EMB), jnp.bfloat16), jnp.ones((EXPERTS, EMB, 2 * FFN), jnp.bfloat16),
-          jnp.ones((EXPERTS, FFN, EMB), jnp.bfloat16))
+  args = (jnp.ones((TOKENS, emb), jnp.bfloat16), jnp.ones((EXPERTS, emb, 2 * ffn), jnp.bfloat16),
+          jnp.ones((EXPERTS, ffn, emb), jnp.bfloat16))
   policy = jax.checkpoint_policies.save_only_these_names(*names)
   jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(layer, policy=policy), *args)
   return capsys.readouterr().out.splitlines(), p.buffer_rows
@@ -44,18 +44,19 @@ def nbytes(line: str) -> int:
 
 
 @pytest.mark.parametrize("recipe", ["te_fp8_current", "te_fp8_blockwise"])
-def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(recipe, monkeypatch, capsys):
+@pytest.mark.parametrize("emb, ffn", [(EMB, FFN), (192, 320)])  # whole 64s: current keeps them, blockwise pads to 128s
+def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(recipe, emb, ffn, monkeypatch, capsys):
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
-  lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys)
+  lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys, emb, ffn)
   quantized = [line for line in lines if "named 'quantization'" in line or f"named '{parts.FP8_WEIGHTS}'" in line]
   # the backward's x^T, wi, h^T, wo and the recomputed gate/up GEMM's x, wi^T (for its up half), with scales
   scales = {"te_fp8_current": 4, "te_fp8_blockwise": 5}[recipe]  # per-expert ones are shared by x and x^T
   assert sum("f8_e4m3fn" in line for line in quantized) == 6 and len(quantized) == 6 + scales
-  config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=FFN, te_gmm_quantization=recipe)
-  shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=EMB, tp=1, ep=1, act=2)
+  config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=ffn, te_gmm_quantization=recipe)
+  shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=emb, tp=1, ep=1, act=2)
   planned = sum(t.elements * t.itemsize for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic"))
   assert planned == pytest.approx(sum(map(nbytes, quantized)), rel=1e-3)
-  without, _ = saved_lines(recipe, ("mlpwi_0", "mlpwo"), capsys)  # minimal_with_context: quantized again
+  without, _ = saved_lines(recipe, ("mlpwi_0", "mlpwo"), capsys, emb, ffn)  # minimal_with_context: quantized again
   assert not [line for line in without if "f8_e4m3fn" in line or "'quantization'" in line]
   assert hbm_activations.quantized_residuals(config, shapes, rows, "xla") == []
 

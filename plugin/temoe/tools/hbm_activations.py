@@ -143,15 +143,17 @@ def quantized_residuals(config, s: Shapes, rows: int, backend: str, up_recompute
   q = operand_bytes(config, backend)
   if backend != "mosaic" or not q:
     return []
-  tile = lambda n: -(-n // 128) * 128  # noqa: E731  # the copies are padded to whole 128-element tiles
-  local, e, m = config.num_experts // s.ep, tile(s.emb), tile(config.moe_mlp_dim)
+  scaling = recipes.REGISTRY[str(config.te_gmm_quantization)].scaling
+  local = config.num_experts // s.ep
+  # as the copies are padded: emb, the expert ffn, and the fused [gate | up] width
+  e, m, m2 = (recipes.mosaic_copy_dim(d, scaling) for d in (s.emb, config.moe_mlp_dim, 2 * config.moe_mlp_dim))
   weight_q = 1.0 + (q - 1.0) / 128
   act, weights = (parts.QUANTIZED,), (parts.QUANTIZED, parts.FP8_WEIGHTS)
   backward = [Tensor(act, rows * e, q), Tensor(act, rows * m, q),
-              Tensor(weights, local * e * 2 * m, weight_q), Tensor(weights, local * m * e, weight_q)]
+              Tensor(weights, local * e * m2, weight_q), Tensor(weights, local * m * e, weight_q)]
   if not up_recomputed:
     return backward
-  return backward + [Tensor(act, rows * e, q), Tensor(weights, local * e * 2 * m, 1.0)]
+  return backward + [Tensor(act, rows * e, q), Tensor(weights, local * e * m2, 1.0)]
 
 
 def _up_recomputed(config) -> bool:

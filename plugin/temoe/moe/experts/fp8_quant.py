@@ -36,8 +36,11 @@ FMAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
 TILE_ROWS = 128  # the kernels' row alignment: no tile straddles two experts
 IMPLS = quantizers.IMPLS
 DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.1-1.4x XLA's fusion alone, 2.1-2.6x in the layer), xla elsewhere
-# Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out.
+# Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out;
+# NARROW_BLOCK for operands whose columns are whole 64s but not 128s (current scaling's copies of such
+# dims are not padded: recipes.mosaic_copy_dim).
 TRITON_BLOCK = (64, 128, 4)
+NARROW_BLOCK = (64, 64, 4)
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
 
 
@@ -105,10 +108,15 @@ def _cast_transpose_triton(x, row_scale, dtype, block):
   )(x, row_scale.astype(jnp.float32))
 
 
+def block_for(shape: tuple[int, ...]):
+  """The Triton block of a (B, R, C) operand: TRITON_BLOCK, or NARROW_BLOCK where C is not whole 128s."""
+  return TRITON_BLOCK if shape[-1] % TRITON_BLOCK[1] == 0 else NARROW_BLOCK
+
+
 def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None) -> str:
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
   (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`."""
-  tile = tuple((block or TRITON_BLOCK)[:2])
+  tile = tuple((block or (block_for(shape) if shape else TRITON_BLOCK))[:2])
   return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile,
                             math.prod(shape) if shape else 0)
 
@@ -116,12 +124,13 @@ def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None) 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
   """(q, q^T): x (B, R, C) times row_scale (B, R), saturated to `dtype`; q^T is (B, C, R).
 
-  block: the Triton kernel's (rows, cols[, warps]) (default TRITON_BLOCK)."""
+  block: the Triton kernel's (rows, cols[, warps]) (default: block_for the shape)."""
+  block = block or block_for(x.shape)
   impl = resolve(impl, x.shape, block)
   if impl == "xla":
     return _cast_transpose_xla(x, row_scale, dtype)
   if impl == "triton":
-    return _cast_transpose_triton(x, row_scale, dtype, block or TRITON_BLOCK)
+    return _cast_transpose_triton(x, row_scale, dtype, block)
   raise AssertionError(impl)
 
 

@@ -11,7 +11,8 @@ cuBLAS GEMM per expert). Public API:
 * `TileConfig` / `GemmConfigs` / `default_config`: tile shapes, the sweep's defaults per GEMM, and a
   way to pass them explicitly (bench/mosaic_gemm.py).
 * `check_shapes(k, n, scaling)`: config-time check; raises a one-line ValueError when K or N cannot
-  run (bf16: multiples of 64; FP8: multiples of 16, the quantized copies padded to 128).
+  run (bf16: multiples of 64; FP8: multiples of 16, the quantized copies padded where needed:
+  `copy_dim`; the outputs written at the true dims where those are whole 128-byte rows: `out_dim`).
 * `ragged_rows_matmul` / `ragged_contract_matmul`: the two kernels (forward & dgrad form; wgrad
   form), exposed for tests and the benchmark.
 
@@ -65,7 +66,8 @@ E4M3 = fp8_quant.E4M3
 E5M2 = fp8_quant.E5M2
 _FP8 = (jnp.dtype(E4M3), jnp.dtype(E5M2))
 _SMEM_BYTES = 227 * 1024
-_SWIZZLE = 128  # bytes: every operand tile row is 128 bytes (128 FP8 / 64 bf16 elements)
+_SWIZZLE = 128  # bytes: the default k-block row (128 FP8 / 64 bf16 elements)
+SWIZZLES = (64, 128)  # a k-block's row in bytes: one swizzle tile per stage (64: half the contraction per stage)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,7 +78,8 @@ _SWIZZLE = 128  # bytes: every operand tile row is 128 bytes (128 FP8 / 64 bf16 
 class TileConfig:
   """One kernel's tile shape. block_m x block_n is the CTA's output tile; compute_wgs wgmma
   warpgroups split its rows (each owns block_m // compute_wgs rows, a multiple of 64); block_k is
-  the contraction per pipeline stage (None: 128 bytes of the operand dtype); stages is the depth of
+  the contraction per pipeline stage, 128 or 64 bytes of the operand dtype (None: 128; 64 lets FP8
+  contract over dims of whole 64s without a padded copy, at half the work per stage); stages is the depth of
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
@@ -156,34 +159,49 @@ _DEFAULTS = {
 }
 
 
-def _fit(size: int, largest: int) -> int:
-  """The tile (largest, largest / 2, ... >= 64) that divides `size`, else the one wasting the fewest
-  out-of-bounds elements in the last tile (ties: the larger)."""
+TILE_FIXED_COLUMNS = 32
+"""A tile's fixed cost (its pipeline's fill and drain, its epilogue), in columns of its width: an output
+dim of `size` split into tiles of width t costs ceil(size / t) * (t + 32). One number, from the H200
+sweeps of DeepSeek-V3's GEMMs, where 128-wide tiles ran at 0.89-0.90 of 256-wide ones in FP8 and bf16
+(bench/results/mosaic_gemm.json, mosaic_gemm_bf16.json): 128 / (128 + 32) = 0.9 x 256 / (256 + 32)."""
+
+
+def _tile(size: int, largest: int) -> int:
+  """The tile width (largest, largest / 2, ... >= 64) that covers `size` at the least cost by
+  TILE_FIXED_COLUMNS (ties: the larger): a tile past the end computes columns that are clipped, a
+  narrower tile pays its fixed cost more often (2880 takes 256: 12 tiles, 6% past the end, against 45
+  tiles of 64)."""
   cands = []
   t = largest
   while t >= 64:
     cands.append(t)
     t //= 2
-  for t in cands:
-    if size % t == 0:
-      return t
-  return min(cands, key=lambda t: (-(-size // t) * t - size, -t))
+  return min(cands, key=lambda t: (-(-size // t) * (t + TILE_FIXED_COLUMNS), -t))
 
 
-def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None) -> TileConfig:
+def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None,
+                   contract: int | None = None) -> TileConfig:
   """The default TileConfig for a kernel form ("rows": fwd/dgrad, "contract": wgrad) and scaling
-  whose output has n_out columns (and, for "contract", m_out rows)."""
+  whose output has n_out columns (and, for "contract", m_out rows), contracting over `contract`
+  elements: FP8 with current scaling over a contraction of whole 64-element blocks but not 128-element
+  ones (such copies are not padded: recipes.mosaic_copy_dim) takes 64-element k-blocks, twice the stages."""
   if scaling not in SCALINGS:
     raise ValueError(f"scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
   cfg = _DEFAULTS[(form, scaling)]
-  bn = _fit(n_out, cfg.block_n)
-  bm = cfg.block_m if m_out is None else _fit(m_out, cfg.block_m)
+  bn = _tile(n_out, cfg.block_n)
+  bm = cfg.block_m if m_out is None else _tile(m_out, cfg.block_m)
   wgs = cfg.compute_wgs if bm // cfg.compute_wgs >= 64 else 1
   epi = cfg.epi_n if cfg.epi_n is None or bn % cfg.epi_n == 0 else None
-  return dataclasses.replace(cfg, block_n=bn, block_m=bm, compute_wgs=wgs, epi_n=epi)
+  cfg = dataclasses.replace(cfg, block_n=bn, block_m=bm, compute_wgs=wgs, epi_n=epi)
+  if scaling == "current" and contract is not None and contract % _SWIZZLE:  # 128 FP8 elements
+    cfg = dataclasses.replace(cfg, block_k=_SWIZZLE // 2, stages=2 * cfg.stages)
+  return cfg
 
 
-FP8_TILE = 128  # FP8 copies are written with K and N padded to whole tiles of this many elements
+def copy_dim(d: int, scaling: str) -> int:
+  """The size of an FP8 copy's dim of true size d (recipes.mosaic_copy_dim: the one rule, which the
+  memory plan reads too)."""
+  return recipes.mosaic_copy_dim(d, scaling)
 
 
 def check_shapes(k: int, n: int, scaling: str = "none") -> None:
@@ -207,8 +225,8 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
   problems = []
   if jnp.dtype(a_dtype).itemsize != jnp.dtype(b_dtype).itemsize:
     problems.append(f"operand dtypes {a_dtype}/{b_dtype} differ in width")
-  if (bk * jnp.dtype(a_dtype).itemsize) % _SWIZZLE:
-    problems.append(f"block_k={bk} is not a multiple of {_SWIZZLE} bytes")
+  if bk * jnp.dtype(a_dtype).itemsize not in SWIZZLES:
+    problems.append(f"block_k={bk} is not {' or '.join(map(str, SWIZZLES))} bytes of the operand")
   if cfg.block_m % cfg.compute_wgs or wm % 64:
     problems.append(f"block_m={cfg.block_m} / compute_wgs={cfg.compute_wgs} is not a multiple of 64")
   if form == "rows" and ROW_ALIGNMENT % cfg.block_m:
@@ -225,6 +243,14 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
   for name, v, item in (("contraction", contract, a_dtype), ("output columns", cols, out_dtype)):
     if v * jnp.dtype(item).itemsize % 16:
       problems.append(f"{name} {v} x {jnp.dtype(item).itemsize} bytes is not a multiple of 16 bytes (TMA rows)")
+  # Mosaic GPU's TMA copies whole tiles of a dim it tiles (or a dim smaller than one tile)
+  if form == "rows" and contract > bk and contract % bk:
+    problems.append(f"contraction {contract} is not whole k-blocks of {bk} (TMA reads whole tiles)")
+  out_tile = _out_transforms(out_dtype, epi)[0].tiling
+  if cols > out_tile[1] and cols % out_tile[1]:
+    problems.append(f"output columns {cols} are not whole {out_tile[1]}-column tiles of the epilogue")
+  if form == "contract" and rows > out_tile[0] and rows % out_tile[0]:
+    problems.append(f"output rows {rows} are not whole {out_tile[0]}-row tiles of the epilogue")
   if cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled) > _SMEM_BYTES:
     problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled)} bytes of SMEM > {_SMEM_BYTES}")
   if cfg.stages < 2:
@@ -306,9 +332,10 @@ def _minimum(a, b):
 # The kernel
 
 
-def _smem_transforms(dtype):
-  elems = _SWIZZLE // jnp.dtype(dtype).itemsize
-  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(_SWIZZLE))
+def _smem_transforms(dtype, block_k: int):
+  """SMEM tiles of one k-block: rows of block_k elements, swizzled by their width in bytes."""
+  swizzle = block_k * jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(swizzle))
 
 
 def _out_transforms(dtype, epi_n):
@@ -400,8 +427,8 @@ def _grouped_kernel(
 
     @functools.partial(
         pl.run_scoped,
-        a_smem=plgpu.SMEM(a_smem_shape, a_dtype, transforms=_smem_transforms(a_dtype)),
-        b_smem=plgpu.SMEM((S, *b_block), b_dtype, transforms=_smem_transforms(b_dtype)),
+        a_smem=plgpu.SMEM(a_smem_shape, a_dtype, transforms=_smem_transforms(a_dtype, bk)),
+        b_smem=plgpu.SMEM((S, *b_block), b_dtype, transforms=_smem_transforms(b_dtype, bk)),
         o_smem=plgpu.SMEM((C, wm, epi), out_dtype, transforms=_out_transforms(out_dtype, epi)),
         produced=plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=S),
         consumed=plgpu.Barrier(num_arrivals=C, num_barriers=S),
@@ -637,6 +664,7 @@ def ragged_rows_matmul(
     sms: int | None = None,
     out: jax.Array | None = None,
     block_scales: tuple[jax.Array, jax.Array] | None = None,
+    n_out: int | None = None,
 ) -> jax.Array:
   """out[r] = scales[g] * a[r] @ B[g] for the rows r of group g; rows past the groups are 0.
 
@@ -646,23 +674,28 @@ def ragged_rows_matmul(
   buffer of the output's shape and dtype to write into in place (tests poison it with NaN).
   block_scales (FP8 only, instead of scales): (a's 1 x 128 scales (ceil(C/128), M), b's 128 x 128
   scales (G, ceil(C/128), ceil(Nout/128))), applied to every 128-deep partial sum (fp8_block).
+  n_out: the output's columns, at most B's Nout (default): a B padded past the true N (an FP8 copy)
+  writes only the true columns (the last tile's stores past them are clipped), no copy to slice.
   """
   m, c = a.shape
   g = b.shape[0]
-  n_out = b.shape[1] if b_contract_minor else b.shape[2]
+  b_cols = b.shape[1] if b_contract_minor else b.shape[2]
+  n_out = b_cols if n_out is None else n_out
   c2 = b.shape[2] if b_contract_minor else b.shape[1]
   if c != c2:
     raise ValueError(f"contraction mismatch: a {a.shape}, b {b.shape}")
+  if not 0 < n_out <= b_cols:
+    raise ValueError(f"n_out={n_out}: the output takes 1 to {b_cols} of B's columns")
   if not b_contract_minor and jnp.dtype(b.dtype) in _FP8:
     raise ValueError("FP8 operands need the contraction dim contiguous (b_contract_minor=True)")
   bs = block_scales is not None
-  cfg = config or default_config("rows", _scaling_of(a.dtype, bs), n_out)
+  cfg = config or default_config("rows", _scaling_of(a.dtype, bs), n_out, contract=c)
   _check_config(cfg, a.dtype, b.dtype, out_dtype, m, n_out, c, "rows", bs)
   scales, scaled = _scales_or_ones(scales, g)
   extra = ()
   if bs:
     sa, sb = (jnp.asarray(v, jnp.float32) for v in block_scales)
-    kb, nb = -(-c // 128), -(-n_out // 128)
+    kb, nb = -(-c // 128), -(-b_cols // 128)
     if sa.shape != (kb, m) or sb.shape != (g, kb, nb):
       raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(kb, m)}, {(g, kb, nb)}")
     extra = (sa, sb)
@@ -688,6 +721,7 @@ def ragged_contract_matmul(
     sms: int | None = None,
     out: jax.Array | None = None,
     block_scales: tuple[jax.Array, jax.Array] | None = None,
+    out_dims: tuple[int, int] | None = None,
 ) -> jax.Array:
   """out[g] = scales[g] * A_g @ B_g^T over the tokens of group g (an empty group gets exactly 0).
 
@@ -696,6 +730,8 @@ def ragged_contract_matmul(
   a = x^T, b = dy^T (FP8) or a = x, b = dy (bf16, a_/b_contract_minor=False). Returns (G, Mout, Nout); `out` as in
   ragged_rows_matmul. block_scales (FP8 only, instead of scales): the 128 x 1 scales of a and b,
   (T / 128, Mout) and (T / 128, Nout): one per feature and 128-token block (fp8_block).
+  out_dims: the output's (rows, columns), at most (Mout, Nout) (default): padded FP8 copies write only
+  the true dims (stores past them are clipped), no copy to slice.
   """
   if not (a_contract_minor and b_contract_minor) and (jnp.dtype(a.dtype) in _FP8 or jnp.dtype(b.dtype) in _FP8):
     raise ValueError("FP8 operands need the contraction dim contiguous (a_/b_contract_minor=True)")
@@ -703,6 +739,10 @@ def ragged_contract_matmul(
   n_out, t2 = b.shape if b_contract_minor else b.shape[::-1]
   if t != t2:
     raise ValueError(f"token-dim mismatch: a {a.shape}, b {b.shape}")
+  a_rows, b_cols = m_out, n_out
+  m_out, n_out = out_dims or (m_out, n_out)
+  if not (0 < m_out <= a_rows and 0 < n_out <= b_cols):
+    raise ValueError(f"out_dims={out_dims}: the output takes 1 to {a_rows} rows and 1 to {b_cols} columns")
   g = group_sizes.shape[0]
   bs = block_scales is not None
   cfg = config or default_config("contract", _scaling_of(a.dtype, bs), n_out, m_out)
@@ -711,8 +751,8 @@ def ragged_contract_matmul(
   extra = ()
   if bs:
     sa, sb = (jnp.asarray(v, jnp.float32) for v in block_scales)
-    if t % 128 or sa.shape != (t // 128, m_out) or sb.shape != (t // 128, n_out):
-      raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(t // 128, m_out)}, {(t // 128, n_out)}")
+    if t % 128 or sa.shape != (t // 128, a_rows) or sb.shape != (t // 128, b_cols):
+      raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(t // 128, a_rows)}, {(t // 128, b_cols)}")
     extra = (sa, sb)
   kern = _grouped_kernel(
       form="contract", a_shape=a.shape, b_shape=b.shape, a_rc=a_contract_minor, b_rc=b_contract_minor,
@@ -742,8 +782,11 @@ def tile_rows(m: int) -> int:
   return -(-m // ROW_ALIGNMENT) * ROW_ALIGNMENT
 
 
-def tiled(v: int) -> int:
-  return -(-v // FP8_TILE) * FP8_TILE
+def out_dim(d: int, padded: int, dtype) -> int:
+  """The size an output dim of true size d is written at when the operands are padded to `padded`:
+  d itself where it is whole 128-byte rows of `dtype` (what Mosaic GPU's TMA store tiles; the stores
+  past d are clipped), else `padded` (and the caller slices)."""
+  return d if d * jnp.dtype(dtype).itemsize % _SWIZZLE == 0 else padded
 
 
 def grouped_matmul(
@@ -789,26 +832,28 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
   m, k = x.shape
   n = w.shape[2]
   mp = tile_rows(m)
-  # empty arrays that carry x's and w's dtypes and true dims to the backward (the FP8 copies are padded)
+  # empty arrays that carry x's and w's dtypes and true dims to the backward (the FP8 copies may be padded)
   protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
   if scaling == "current":
     # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
     # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored kept for dgrad.
-    # The copies are padded to whole 128-element tiles in K and N.
-    xp, wp = pad_to(x, (mp, tiled(k))), pad_to(w, (w.shape[0], tiled(k), tiled(n)))
+    # The copies are padded in K and N only where those are not whole 64-element k-blocks (copy_dim).
+    kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
+    xp, wp = pad_to(x, (mp, kc)), pad_to(w, (w.shape[0], kc, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them;
     # the weights' also te_moe_fp8_weights (parts.FP8_WEIGHTS), to keep those alone.
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
     (xq, xqt, sx), (wq, wqt, sw) = parts.tag_quantized(xq, xqt, sx), parts.tag_quantized_weights(wq, wqt, sw)
-    y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms)
+    y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms,
+                           n_out=out_dim(n, nc, out_dtype))
     res = (xqt, sx, wq, sw, group_sizes, *protos)
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
-    y, fp8_res = blockwise_forward(fp8_block.quantize_both(pad_to(x, (mp, tiled(k))), impl=quant), w, group_sizes,
-                                   out_dtype, configs, sms, quant)
+    y, fp8_res = blockwise_forward(fp8_block.quantize_both(pad_to(x, (mp, copy_dim(k, scaling))), impl=quant), w,
+                                   group_sizes, out_dtype, configs, sms, quant)
     res = (*fp8_res, group_sizes, *protos)
   else:  # bf16 reads x and w as they are (K and N multiples of 64: check_shapes)
     xb, wb = _pad_rows(x, mp).astype(jnp.bfloat16), w.astype(jnp.bfloat16)
@@ -822,18 +867,19 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
   xs, sx, wq, sw, group_sizes, x_proto, w_proto = res
   m = dy.shape[0]
   _, k, n = w_proto.shape
-  mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kp, Mp), w (G, Kp, Np)
+  mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kc, Mp), w (G, Kc, Nc)
   if scaling == "current":
-    dyp = pad_to(dy, (mp, wq.shape[2]))
+    kc, nc = wq.shape[1:]
+    dyp = pad_to(dy, (mp, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
-    dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
-    dw = ragged_contract_matmul(
-        xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad, sms=sms
-    )
+    dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad,
+                            sms=sms, n_out=out_dim(k, kc, x_proto.dtype))
+    dw = ragged_contract_matmul(xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad,
+                                sms=sms, out_dims=(k, out_dim(n, nc, w_proto.dtype)))
   elif scaling == "blockwise":
     dyq4 = fp8_block.quantize_both(pad_to(dy, (mp, wq.shape[2])), impl=quant)
-    dx, dw = blockwise_backward((xs, sx, wq, sw), dyq4, group_sizes, x_proto.dtype, w_proto.dtype, configs, sms)
+    dx, dw = blockwise_backward((xs, sx, wq, sw), dyq4, group_sizes, x_proto.dtype, w_proto.dtype, configs, sms, k, n)
   else:
     dyb = _pad_rows(dy, mp).astype(jnp.bfloat16)
     dx = ragged_rows_matmul(dyb, wq, group_sizes, out_dtype=x_proto.dtype, config=configs.dgrad, sms=sms)
@@ -850,25 +896,30 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms, quant):
   """The blockwise forward GEMM from rows already quantized: `xq4` is fp8_block.quantize_both's
   (q, s, q^T, s^T) of x zero-padded to (whole tiles of rows, whole 128s of K) (or quantize_gathered's,
-  whose producer quantized them as it read). Returns (y (Mp, Np), the residuals `blockwise_backward`
-  takes: x^T and its 128 x 1 scales for wgrad, w as stored and its 128 x 128 scales for dgrad)."""
+  whose producer quantized them as it read). Returns (y (Mp, N) or (Mp, Np) where N is not whole 128-byte
+  rows: out_dim, the residuals `blockwise_backward` takes: x^T and its 128 x 1 scales for wgrad, w as
+  stored and its 128 x 128 scales for dgrad)."""
   g, k, n = w.shape
-  wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, tiled(k), tiled(n))), impl=quant)
+  kc, nc = copy_dim(k, "blockwise"), copy_dim(n, "blockwise")
+  wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, kc, nc)), impl=quant)
   # every FP8 copy named `quantization`, those the forward reads too (see _gmm_fwd)
   (xq, sx, xqt, sxt), (wq, wqt, sw) = parts.tag_quantized(*xq4), parts.tag_quantized_weights(wq, wqt, sw)
-  y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw))
+  y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw),
+                         n_out=out_dim(n, nc, out_dtype))
   return y, (xqt, sxt, wq, sw)
 
 
-def blockwise_backward(res, dyq4, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms):
-  """(dx (Mp, Kp), dw (G, Kp, Np)) of the blockwise GEMM from `blockwise_forward`'s residuals and the
-  incoming gradient already quantized (dyq4 as xq4, over (Mp, Np)): dy in E4M3 too (the recipe), 1 x 128
-  blocks along N for dgrad, 128 x 1 of dy^T for wgrad. dgrad reads w as stored, (G, K, N) = (G, Nout, C):
-  its weight block (k-block of C = N, column block of K) is sw's (K block, N block) swapped."""
+def blockwise_backward(res, dyq4, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms, k: int, n: int):
+  """(dx (Mp, K), dw (G, K, N)) of the blockwise GEMM of true dims K, N from `blockwise_forward`'s
+  residuals and the incoming gradient already quantized (dyq4 as xq4, over (Mp, Np)): dy in E4M3 too (the
+  recipe), 1 x 128 blocks along N for dgrad, 128 x 1 of dy^T for wgrad. dgrad reads w as stored, (G, K, N) =
+  (G, Nout, C): its weight block (k-block of C = N, column block of K) is sw's (K block, N block) swapped.
+  An output dim that is not whole 128-byte rows comes back padded (out_dim), for the caller to slice."""
   xqt, sxt, wq, sw = res
   dyq, sdy, dyqt, sdyt = dyq4
+  kc, nc = wq.shape[1:]
   dx = ragged_rows_matmul(dyq, wq, group_sizes, out_dtype=x_dtype, config=configs.dgrad, sms=sms,
-                          block_scales=(sdy, jnp.swapaxes(sw, 1, 2)))
+                          block_scales=(sdy, jnp.swapaxes(sw, 1, 2)), n_out=out_dim(k, kc, x_dtype))
   dw = ragged_contract_matmul(xqt, dyqt, group_sizes, out_dtype=w_dtype, config=configs.wgrad, sms=sms,
-                              block_scales=(sxt, sdyt))
+                              block_scales=(sxt, sdyt), out_dims=(k, out_dim(n, nc, w_dtype)))
   return dx, dw

@@ -86,7 +86,8 @@ def _gate_up_fwd(x, wi, sizes, choice_of_slot, slot_of_choice, top_k, out_dtype,
   k, n = x.shape[1], wi.shape[2]
   rows = choice_of_slot.shape[0]
   index = _slot_tokens(choice_of_slot, top_k, x.shape[0], mosaic_gemm.tile_rows(rows))
-  xq4 = fp8_block.quantize_gathered(mosaic_gemm.pad_to(x, (x.shape[0], mosaic_gemm.tiled(k))), index, impl=quant)
+  xq4 = fp8_block.quantize_gathered(mosaic_gemm.pad_to(x, (x.shape[0], mosaic_gemm.copy_dim(k, "blockwise"))), index,
+                                    impl=quant)
   y, fp8_res = mosaic_gemm.blockwise_forward(xq4, wi, sizes, out_dtype, configs, sms, quant)
   return y[:rows, :n], (fp8_res, sizes, slot_of_choice, jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), wi.dtype))
 
@@ -97,7 +98,7 @@ def _gate_up_bwd(top_k, out_dtype, configs, sms, quant, res, dy):
   _, k, n = w_proto.shape
   mp, np_ = fp8_res[0].shape[1], fp8_res[2].shape[2]  # x^T (Kp, Mp), w (G, Kp, Np)
   dyq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(dy, (mp, np_)), impl=quant)
-  dxb, dw = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, x_proto.dtype, w_proto.dtype, configs, sms)
+  dxb, dw = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, x_proto.dtype, w_proto.dtype, configs, sms, k, n)
   dx = dispatch.sum_choices(dxb[:, :k], slot_of_choice, slot_of_choice.shape[0] // top_k).astype(x_proto.dtype)
   return dx, dw[:, :k, :n], None, None, None
 
@@ -118,7 +119,8 @@ def _down_combine_fwd(h, wo, weights, sizes, choice_of_slot, slot_of_choice, flo
                       quant):
   rows, f = h.shape
   n = wo.shape[2]
-  hq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(h, (mosaic_gemm.tile_rows(rows), mosaic_gemm.tiled(f))), impl=quant)
+  hq4 = fp8_block.quantize_both(mosaic_gemm.pad_to(h, (mosaic_gemm.tile_rows(rows), mosaic_gemm.copy_dim(f, "blockwise"))),
+                                impl=quant)
   y, fp8_res = mosaic_gemm.blockwise_forward(hq4, wo, sizes, out_dtype, configs, sms, quant)
   y = parts.tag_down(y[:rows, :n])
   tokens, top_k = weights.shape
@@ -137,7 +139,7 @@ def _down_combine_bwd(float32_sum, out_dtype, configs, sms, quant, res, g):
   del float32_sum  # dy = g * w in fp32, rounded once, to E4M3 (the unfused combine rounds it to bf16 first)
   dyq4 = fp8_block.quantize_gathered(mosaic_gemm.pad_to(g, (tokens, fp8_res[2].shape[2])), index, weight_of_slot,
                                      impl=quant)
-  dh, dwo = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, h_proto.dtype, w_proto.dtype, configs, sms)
+  dh, dwo = mosaic_gemm.blockwise_backward(fp8_res, dyq4, sizes, h_proto.dtype, w_proto.dtype, configs, sms, f, n)
   per_choice = y[slot_of_choice].reshape(tokens, top_k, n).astype(jnp.float32)  # a multiply-reduce: exact fp32
   dweights = jnp.sum(per_choice * g.astype(jnp.float32)[:, None, :], axis=-1).astype(weights.dtype)
   return dh[:y.shape[0], :f], dwo[:, :f, :n], dweights, None, None, None
