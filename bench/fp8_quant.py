@@ -26,7 +26,8 @@ from temoe.moe import dispatch  # noqa: E402
 from temoe.moe.experts import fp8_quant as fq  # noqa: E402
 from temoe.moe.experts import mosaic_gemm as mz  # noqa: E402
 
-BLOCKS = [(64, 128, 4), (64, 128, 8), (32, 128, 4), (128, 128, 8), (64, 256, 8), (64, 64, 4), (32, 256, 4)]
+BLOCKS = [(64, 128, 4), (64, 128, 8), (32, 128, 4), (128, 128, 8), (64, 256, 8), (64, 64, 4), (32, 256, 4),
+          (128, 64, 4), (128, 64, 8), (64, 64, 2), (256, 64, 8)]  # 64 wide: operands of whole 64s, not 128s
 
 
 def operands(name: str):

@@ -305,7 +305,7 @@ def test_cast_transpose_kernel_matches_xla(quant):
   """The Pallas Triton cast-transpose writes the same FP8 bits as the XLA expression, both layouts,
   including saturation of values past the format's range."""
   x, w, sizes, _, cot = make_problem("skewed")
-  assert fq.block_for(x[:, :704].shape) == fq.NARROW_BLOCK  # columns of whole 64s, not 128s
+  assert fq.block_for(x[:, :704].shape) in fq.NARROW_BLOCKS  # columns of whole 64s, not 128s
   for a, dtype in ((x, mz.E4M3), (cot, mz.E5M2), (x[:, :704], mz.E4M3)):
     ours = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))(a, tiles_of(sizes), G, dtype, quant)
     ref = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))(a, tiles_of(sizes), G, dtype, "xla")

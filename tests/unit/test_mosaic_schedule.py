@@ -251,7 +251,8 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
     fq.cast_transpose(x, scale, mz.E4M3, "cuda")
   # columns that are whole 64s but not 128s (current scaling's unpadded copies): the narrow block
   narrow = x[:, :, :192]
-  assert fq.block_for(narrow.shape) == fq.NARROW_BLOCK and fq.resolve("triton", narrow.shape) == "triton"
+  assert fq.block_for(narrow.shape) == (128, 64, 8) and fq.resolve("triton", narrow.shape) == "triton"
+  assert fq.block_for((2, 2880, 2880)) == (64, 64, 4)  # weights of 2880 rows: not whole 128s
   ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "triton")
   ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "xla")
   for got, want in zip(ours, ref):
