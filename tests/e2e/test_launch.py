@@ -66,6 +66,11 @@ sys.exit(int(os.environ.get('FAKE_RC', '0')))
 """
 
 
+def default_stop_signals():
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, signal.SIG_DFL)
+
+
 @pytest.fixture
 def recorder(tmp_path):
   """A bin/ of stand-ins (srun, scontrol, scancel, docker) that log argv and TEMOE_NASTY and exit $FAKE_RC;
@@ -88,7 +93,10 @@ def recorder(tmp_path):
     full = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", **env}
     if signal_after_start is not None:
       full["FAKE_UNTIL_TERM"] = str(started)
-    with subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=full, start_new_session=True) as proc:
+    # Slurm and a terminal start the script with SIGINT and SIGTERM at their defaults; a pytest started as a
+    # background job has SIGINT ignored, which its children inherit, and bash cannot trap a signal ignored on entry
+    with subprocess.Popen(["bash", str(path)], cwd=tmp_path, env=full, start_new_session=True,
+                          preexec_fn=default_stop_signals) as proc:
       if signal_after_start is not None:
         deadline = time.monotonic() + 30
         while not (started.exists() and started.read_text()) and time.monotonic() < deadline:

@@ -9,13 +9,16 @@ from temoe.moe.experts import fp8_block, fp8_quant, quantizers
 
 def test_auto_runs_xla_off_a_gpu_and_for_partial_tiles():
   assert quantizers.resolve("auto", "q", (256, 384), (128, 128)) == "xla"  # this host has no GPU
+  assert fp8_quant.resolve("triton", (1, 64, 192)) == fp8_quant.resolve("triton", (1, 128, 192)) == "triton"
   assert fp8_quant.resolve(None, (1, 128, 128)) == fp8_block.resolve(None, 256, 256) == "xla"
 
 
 @pytest.mark.parametrize("resolve,refusal", [
-    (lambda impl: fp8_quant.resolve(impl, (1, 64, 200)), r"cast_transpose: .* multiples of 64 x 128, got \(64, 200\)"),
+    # columns not whole 128s take the narrow block (current scaling's unpadded copies), so it is named
+    (lambda impl: fp8_quant.resolve(impl, (1, 64, 200)), r"cast_transpose: .* multiples of 64 x 64, got \(64, 200\)"),
+    (lambda impl: fp8_quant.resolve(impl, (1, 64, 256 + 8)), r"cast_transpose: .* multiples of 64 x 64, got \(64, 264\)"),
     (lambda impl: fp8_block.resolve(impl, 256, 200), r"fp8_block: .* multiples of 128 x 128, got \(256, 200\)"),
-], ids=["fp8_quant", "fp8_block"])
+], ids=["fp8_quant", "fp8_quant_narrow", "fp8_block"])
 def test_both_modules_refuse_a_partial_tile_for_triton_and_an_unknown_impl(resolve, refusal):
   with pytest.raises(ValueError, match=refusal):
     resolve("triton")
