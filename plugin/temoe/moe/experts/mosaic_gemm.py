@@ -148,6 +148,11 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # serialises the warpgroup), and CTA pairs sharing A by TMA multicast (1,008-1,056 against
 # 1,027-1,085; for "current" 128 x 256 tiles 1,200-1,372 against 1,308-1,426:
 # mosaic_gemm.cluster.json), so halving A's L2 -> SMEM traffic is not what bounds these kernels.
+# Dims that are not whole tiles (default_config's widths by TILE_FIXED_COLUMNS, current scaling's
+# 64-element k-blocks), swept on the 2880-dim shape (bench/results/mosaic_gemm_bf16.gpt_oss_like.json,
+# mosaic_gemm.gpt_oss_like.json): bf16's defaults best in five of six GEMMs (425-463 TFLOP/s; the down
+# wgrad 366 against 399 with 128-wide tiles), 64-wide tiles 280-356; FP8's 64-element k-blocks 634-638
+# against 840 for the 128-element gate/up dgrad of the same shape.
 _DEFAULTS = {
     ("rows", "current"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
     ("rows", "none"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
