@@ -331,8 +331,7 @@ def with_default(configs, form, scaling, a, b, static):
   m_out, n_out, contract = gemm_dims(form, a, b, static)
   out = [mz.default_config(form, scaling, n_out, m_out, contract)]
   for cfg in configs:
-    if scaling == "current" and contract % 128 and cfg.block_k is None:
-      cfg = dataclasses.replace(cfg, block_k=64, stages=2 * cfg.stages)
+    cfg = mz.for_contraction(cfg, scaling, contract)
     if cfg not in out:
       out.append(cfg)
   return out

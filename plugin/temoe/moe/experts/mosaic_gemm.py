@@ -198,8 +198,15 @@ def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None
   wgs = cfg.compute_wgs if bm // cfg.compute_wgs >= 64 else 1
   epi = cfg.epi_n if cfg.epi_n is None or bn % cfg.epi_n == 0 else None
   cfg = dataclasses.replace(cfg, block_n=bn, block_m=bm, compute_wgs=wgs, epi_n=epi)
-  if scaling == "current" and contract is not None and contract % _SWIZZLE:  # 128 FP8 elements
-    cfg = dataclasses.replace(cfg, block_k=_SWIZZLE // 2, stages=2 * cfg.stages)
+  return for_contraction(cfg, scaling, contract) if contract is not None else cfg
+
+
+def for_contraction(cfg: TileConfig, scaling: str, contract: int) -> TileConfig:
+  """`cfg` for a GEMM contracting over `contract` elements: current scaling over whole 64s but not 128s
+  (copies not padded: recipes.mosaic_copy_dim) in 64-element k-blocks, twice the stages (the same bytes
+  in flight); any other config as it is."""
+  if scaling == "current" and contract % _SWIZZLE and cfg.block_k is None:  # 128 FP8 elements
+    return dataclasses.replace(cfg, block_k=_SWIZZLE // 2, stages=2 * cfg.stages)
   return cfg
 
 
