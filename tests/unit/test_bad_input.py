@@ -79,7 +79,9 @@ def test_te_moe_fp8_weights_adds_temoes_name_to_maxtexts_custom_lists(where, fie
                                 tensors_on_device=["mlpwo"], tensors_to_offload=None)
   config.place_fp8_weights(model, "mosaic")
   config.place_fp8_weights(model, "mosaic")  # once only
-  assert getattr(model, field) == ([*(["mlpwo"] if where == "device" else []), parts.FP8_WEIGHTS])
+  # the weights' scales are kept under every custom policy (the backward casts again from them, no amax)
+  assert model.tensors_on_device[:2] == ["mlpwo", parts.FP8_SCALES]
+  assert getattr(model, field) == ([*(["mlpwo", parts.FP8_SCALES] if where == "device" else []), parts.FP8_WEIGHTS])
   with pytest.raises(ValueError, match="keeps no FP8 weight copies"):
     config.place_fp8_weights(model, "te")  # TE's grouped GEMM quantizes inside its own op: nothing to name
 
@@ -98,3 +100,4 @@ def test_maxtexts_own_policy_places_the_fp8_weights_as_asked(where, placed, monk
   policy = hbm_activations.remat_policy(cfg)
   assert hbm_activations.placement(policy, parts.FP8_WEIGHTS, cfg) == placed
   assert hbm_activations.placement(policy, parts.QUANTIZED, cfg) == "remat"  # the activations' copies are not kept
+  assert hbm_activations.placement(policy, parts.FP8_SCALES, cfg) == "device"  # the weights' scales always are

@@ -20,8 +20,10 @@ from temoe.tools import hbm_activations
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 4, 256, 128, 96, 2
 
 
-def saved_lines(recipe: str, names: tuple[str, ...], capsys, emb: int = EMB, ffn: int = FFN) -> list[str]:
-  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128)
+def saved_lines(recipe: str, names: tuple[str, ...], capsys, emb: int = EMB, ffn: int = FFN,
+                fp8_weights: str = "remat") -> list[str]:
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128,
+                   fp8_weights=fp8_weights)
   p = dispatch.plan(jnp.asarray(np.arange(TOKENS * TOP_K).reshape(TOKENS, TOP_K) % EXPERTS, jnp.int32), EXPERTS, 128)
 
   def layer(x, wi, wo):
@@ -49,12 +51,14 @@ def test_maxtexts_quantization_policies_keep_the_fp8_residuals_the_plan_counts(r
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
   lines, rows = saved_lines(recipe, ("mlpwi_0", "mlpwo", "quantization"), capsys, emb, ffn)
   quantized = [line for line in lines if "named 'quantization'" in line or f"named '{parts.FP8_WEIGHTS}'" in line]
-  # the backward's x^T, wi, h^T, wo and the recomputed gate/up GEMM's x, wi^T (for its up half), with scales
-  scales = {"te_fp8_current": 4, "te_fp8_blockwise": 5}[recipe]  # per-expert ones are shared by x and x^T
-  assert sum("f8_e4m3fn" in line for line in quantized) == 6 and len(quantized) == 6 + scales
+  # the backward's x^T, h^T (and, blockwise, wi and wo as stored: current scaling casts those again from
+  # the saved scales) and the recomputed gate/up GEMM's x, wi^T (for its up half), with scales
+  fp8, scales = {"te_fp8_current": (4, 4), "te_fp8_blockwise": (6, 5)}[recipe]  # per-expert x scales serve x and x^T
+  assert sum("f8_e4m3fn" in line for line in quantized) == fp8 and len(quantized) == fp8 + scales, lines
   config = types.SimpleNamespace(num_experts=EXPERTS, moe_mlp_dim=ffn, te_gmm_quantization=recipe)
   shapes = hbm_activations.Shapes(tokens=TOKENS, batch=1, seq=TOKENS, emb=emb, tp=1, ep=1, act=2)
-  planned = sum(t.elements * t.itemsize for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic"))
+  planned = sum(t.elements * t.itemsize for t in hbm_activations.quantized_residuals(config, shapes, rows, "mosaic")
+                if "quantization" in t.names)  # what this policy keeps of the plan's list
   assert planned == pytest.approx(sum(map(nbytes, quantized)), rel=1e-3)
   without, _ = saved_lines(recipe, ("mlpwi_0", "mlpwo"), capsys, emb, ffn)  # minimal_with_context: quantized again
   assert not [line for line in without if "f8_e4m3fn" in line or "'quantization'" in line]
@@ -68,7 +72,7 @@ SHIPPED_NAMES = ("mlpwi_0", "moe_mlpwi_0", "moe_mlpwi_1", "mlpwo", "moe_mlpwo")
 @pytest.mark.parametrize("recipe", ["te_fp8_current", "te_fp8_blockwise"])
 def test_te_moe_fp8_weights_keeps_the_weights_fp8_copies_alone(recipe, monkeypatch, capsys):
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
-  lines, rows = saved_lines(recipe, (*SHIPPED_NAMES, parts.FP8_WEIGHTS), capsys)
+  lines, rows = saved_lines(recipe, (*SHIPPED_NAMES, parts.FP8_WEIGHTS), capsys, fp8_weights="device")
   kept = [line for line in lines if f"named '{parts.FP8_WEIGHTS}'" in line]
   # wi and wo as stored (dgrad reads them) and their scales; not wi^T (the gate/up GEMM is not recomputed)
   assert sum("f8_e4m3fn" in line for line in kept) == 2 and len(kept) == 4, lines
@@ -82,3 +86,16 @@ def test_te_moe_fp8_weights_keeps_the_weights_fp8_copies_alone(recipe, monkeypat
   assert sum(t.elements * t.itemsize for t in weights) == pytest.approx(sum(map(nbytes, kept)), rel=1e-3)
   without, _ = saved_lines(recipe, SHIPPED_NAMES, capsys)  # the shipped policy: quantized again
   assert not [line for line in without if "f8_e4m3fn" in line]
+
+
+def test_the_weights_scales_are_kept_and_the_backward_casts_the_weights_again(monkeypatch, capsys):
+  """Current scaling under the shipped policy plus temoe's scales name (what temoe.maxtext.config adds to
+  MaxText's custom lists): the backward keeps the weights' per-expert scales (G floats each), no FP8 copy
+  of them, and its gradients are those of the path that keeps the forward's copies, bit for bit."""
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  lines, _ = saved_lines("te_fp8_current", (*SHIPPED_NAMES, parts.FP8_SCALES), capsys)
+  scales = [line for line in lines if f"named '{parts.FP8_SCALES}'" in line]
+  assert len(scales) == 2 and all(line.startswith(f"f32[{EXPERTS}]") for line in scales), lines
+  assert not [line for line in lines if "f8_e4m3fn" in line]
+  without, _ = saved_lines("te_fp8_current", SHIPPED_NAMES, capsys)  # MaxText's named policies: scales recomputed
+  assert not [line for line in without if parts.FP8_SCALES in line]

@@ -37,3 +37,26 @@ def test_arrays_whose_element_offsets_would_wrap_take_xla(monkeypatch):
   assert fp8_quant.resolve(None, experts_80) == "xla" and fp8_quant.resolve(None, (64, 7168, 4096)) == "triton"
   with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):
     fp8_block.resolve("triton", 7168, 4096, elements=7168 * 4096 * 80)
+
+
+@pytest.mark.parametrize("shape", [(3, 128, 1024), (2, 192, 320)], ids=["wide_blocks", "narrow_blocks"])
+def test_weight_amax_and_cast_kernels_match_xla_and_the_forwards_copy(shape, monkeypatch):
+  """The weights' Triton amax (partial maxima) and the backward's cast without transpose (Pallas' generic
+  interpreter on CPU) give XLA's values bit for bit, and the cast from the forward's scales is the forward's
+  w_q (what the dgrad read before the backward stopped quantizing the weights again); NaN stays visible."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  monkeypatch.setattr(fp8_quant, "INTERPRET", True)
+  w = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
+  w = w.at[1].multiply(1e3)  # experts of different ranges: per-expert scales differ
+  for impl in ("triton", "xla"):
+    amax = fp8_quant.weight_amax(w, impl)
+    np.testing.assert_array_equal(np.asarray(amax), np.asarray(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2))))
+    wq, wqt, s = fp8_quant.quantize_experts(w, fp8_quant.E4M3, impl)
+    again = fp8_quant.cast_experts(w, s, fp8_quant.E4M3, impl)
+    assert again.dtype == wq.dtype and again.shape == wq.shape
+    np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)))
+  poisoned = w.at[0, 5, 7].set(jnp.nan)
+  assert np.isnan(np.asarray(fp8_quant.weight_amax(poisoned, "triton"))[0])

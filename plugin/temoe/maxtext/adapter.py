@@ -65,6 +65,7 @@ def context(layer) -> MoEContext:
       exchange=cfg.te_moe_exchange,
       check_finite=cfg.te_moe_check_finite,
       name=layer_name(layer) if cfg.te_moe_check_finite else "MoE layer",
+      fp8_weights=str(getattr(cfg, "te_moe_fp8_weights", "remat")),
   )
 
 

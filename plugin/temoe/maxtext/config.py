@@ -139,6 +139,12 @@ def place_fp8_weights(model, backend: str) -> None:
   in one line, where the policy is not custom or no such copies exist (they are temoe's Hopper kernels'
   for an FP8 recipe), so the flag never silently does nothing."""
   where = model.te_moe_fp8_weights
+  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
+
+  if model.remat_policy == "custom" and parts.FP8_SCALES not in list(model.tensors_on_device or []):
+    # the weights' per-expert scales (G floats a weight): kept, the backward casts the weights again
+    # from them with no second amax pass (parts.FP8_SCALES); under MaxText's named policies it recomputes them
+    model.tensors_on_device = [*list(model.tensors_on_device or []), parts.FP8_SCALES]
   if where == "remat":
     return
   if model.remat_policy != "custom":
@@ -149,8 +155,6 @@ def place_fp8_weights(model, backend: str) -> None:
     raise ValueError(f"te_moe_fp8_weights={where}: recipe {model.te_gmm_quantization} on backend {backend} keeps no "
                      "FP8 weight copies (only temoe's mosaic kernels with te_fp8_current or te_fp8_blockwise do); "
                      "use te_moe_fp8_weights=remat")
-  from temoe.moe.experts import parts  # pylint: disable=import-outside-toplevel
-
   field = "tensors_on_device" if where == "device" else "tensors_to_offload"
   names = list(getattr(model, field) or [])
   if parts.FP8_WEIGHTS not in names:

@@ -34,6 +34,8 @@ class MoEContext:
   buffer_factor: MaxText's ragged_buffer_factor: <= 0 sizes EP receive buffers for the worst case.
   exchange: the expert-parallel exchange strategy (temoe.moe.exchange), "auto" by default.
   check_finite / name: stop on NaN/Inf in this layer's output or gradient, naming it so.
+  fp8_weights: MaxText's te_moe_fp8_weights: "remat" (the backward casts the expert weights to FP8
+    again from the forward's scales) or "device" / "offload" (the backward reads the forward's copies).
   """
 
   num_experts: int
@@ -52,6 +54,7 @@ class MoEContext:
   exchange: str = "auto"
   check_finite: bool = False
   name: str = "MoE layer"
+  fp8_weights: str = "remat"
 
   @property
   def local_experts(self) -> int:

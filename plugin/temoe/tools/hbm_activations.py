@@ -133,7 +133,8 @@ def layer_tensors(config, s: Shapes, moe: bool, rows: int, backend: str) -> list
 def quantized_residuals(config, s: Shapes, rows: int, backend: str, up_recomputed: bool = True) -> list[Tensor]:
   """The FP8 copies temoe's Hopper kernels keep for a MoE layer's backward, named `quantization` as
   MaxText names its own (moe/experts/parts.py): x^T and h^T, and wi and wo as stored, with their scales
-  (what the backward reads), and, where the policy recomputes the gate/up GEMM (up_recomputed: it keeps
+  (what the backward reads; under current scaling only te_moe_fp8_weights keeps those, else the backward
+  casts the weights again), and, where the policy recomputes the gate/up GEMM (up_recomputed: it keeps
   neither or one half of its output), x and wi^T (what that recompute reads; the down GEMM's output,
   mlpwo, is kept, so h and wo^T are not). The weights' copies are also named te_moe_fp8_weights, which
   temoe's flag of that name keeps alone. A 128 x 128 weight block's scale is 1/128 of the bytes of a
@@ -149,8 +150,11 @@ def quantized_residuals(config, s: Shapes, rows: int, backend: str, up_recompute
   e, m, m2 = (recipes.mosaic_copy_dim(d, scaling) for d in (s.emb, config.moe_mlp_dim, 2 * config.moe_mlp_dim))
   weight_q = 1.0 + (q - 1.0) / 128
   act, weights = (parts.QUANTIZED,), (parts.QUANTIZED, parts.FP8_WEIGHTS)
+  # current scaling's backward casts the weights again from the saved scales unless te_moe_fp8_weights
+  # keeps its copies (mosaic_gemm.grouped_matmul's keep_fp8_weights): only that name keeps them
+  stored = (parts.FP8_WEIGHTS,) if scaling == "current" else weights
   backward = [Tensor(act, rows * e, q), Tensor(act, rows * m, q),
-              Tensor(weights, local * e * m2, weight_q), Tensor(weights, local * m * e, weight_q)]
+              Tensor(stored, local * e * m2, weight_q), Tensor(stored, local * m * e, weight_q)]
   if not up_recomputed:
     return backward
   return backward + [Tensor(act, rows * e, q), Tensor(weights, local * e * m2, 1.0)]
@@ -313,10 +317,19 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   res_w = 0 if kept_w or kept_q else 1
   gate_up = 2 * m * a if "remat" in (tensors["moe_mlpwi_0"], tensors["moe_mlpwi_1"]) else 0  # recomputed
   recomputed = gate_up + (e * a if tensors["moe_mlpwo"] == "remat" else 0)
+  # the weights' FP8 copies the backward makes: recomputed with the forward (wi both ways, wo), or, under
+  # current scaling, each cast at its own GEMM's backward from the saved scales (and wi^T only where the
+  # gate/up GEMM is recomputed)
+  cast_in_backward = q and recipes.REGISTRY[str(c.te_gmm_quantization)].scaling == "current" and not kept_w
+  if cast_in_backward:
+    res_w = 1
+    remade, down_w, up_w = (q * wi if gate_up else 0), q * wo, q * wi
+  else:
+    remade, down_w, up_w = (0 if kept_w else q * (2 * wi + wo)), res_w * q * (wi + wo), res_w * q * wi
   steps = {
-      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + (0 if kept_w else q * (2 * wi + wo)),
-      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + res_w * q * (wi + wo),
-      "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + res_w * q * wi,
+      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + remade,
+      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + down_w,
+      "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + up_w,
   }
   step, biggest = max(steps.items(), key=lambda kv: kv[1])
   always = s.tokens * c.num_experts * 4 * 3 + 4 * (3 * routed + rows)  # router scores, dispatch maps

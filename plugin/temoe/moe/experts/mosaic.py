@@ -35,7 +35,7 @@ def mlp(
 
   def gemm(a, w):
     return mosaic_gemm.grouped_matmul(a.astype(ctx.dtype), w.astype(ctx.dtype), sizes, scaling=scaling,
-                                      out_dtype=ctx.dtype)
+                                      out_dtype=ctx.dtype, keep_fp8_weights=ctx.fp8_weights != "remat")
 
   return parts.gated_mlp(ctx, x, wi, wo, biases, rows_expert, gemm)
 

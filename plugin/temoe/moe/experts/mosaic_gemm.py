@@ -811,6 +811,7 @@ def grouped_matmul(
     configs: GemmConfigs | None = None,
     sms: int | None = None,
     quant: str | None = None,
+    keep_fp8_weights: bool = False,
 ) -> jax.Array:
   """y (M, N): rows of group g of x (M, K) times w[g] (w: (G, K, N), MaxText's layout).
 
@@ -822,6 +823,9 @@ def grouped_matmul(
   fp32 promotion per 128 of K). Differentiable in x and w. configs: explicit TileConfigs per GEMM
   (default: default_config); sms: persistent grid size (default: the device's SM count); quant: the
   quantizers' implementation (fp8_quant / fp8_block: "auto" = their Triton kernels on a GPU).
+  keep_fp8_weights (current scaling): the backward reads the forward's FP8 copy of w (named
+  parts.FP8_WEIGHTS, for te_moe_fp8_weights=device|offload) instead of casting w again from the
+  forward's scales (parts.FP8_SCALES, which MaxText's custom policy keeps).
   """
   m, k = x.shape
   g, k2, n = w.shape
@@ -831,16 +835,17 @@ def grouped_matmul(
     raise ValueError(f"scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
   check_shapes(k, n, scaling)
   return _gmm(
-      x, w, group_sizes.astype(jnp.int32), scaling, jnp.dtype(out_dtype), configs or GemmConfigs(), sms, quant
+      x, w, group_sizes.astype(jnp.int32), scaling, jnp.dtype(out_dtype), configs or GemmConfigs(), sms, quant,
+      bool(keep_fp8_weights),
   )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _gmm(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
-  return _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
+def _gmm(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp8_weights):
+  return _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp8_weights)[0]
 
 
-def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
+def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp8_weights):
   m, k = x.shape
   n = w.shape[2]
   mp = tile_rows(m)
@@ -848,19 +853,25 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
   protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
   if scaling == "current":
     # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
-    # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored kept for dgrad.
+    # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored for dgrad.
     # The copies are padded in K and N only where those are not whole 64-element k-blocks (copy_dim).
     kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
     xp, wp = pad_to(x, (mp, kc)), pad_to(w, (w.shape[0], kc, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
-    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them;
-    # the weights' also te_moe_fp8_weights (parts.FP8_WEIGHTS), to keep those alone.
+    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
-    wq, wqt, sw = fp8_quant.quantize_experts(wp, E4M3, quant)
-    (xq, xqt, sx), (wq, wqt, sw) = parts.tag_quantized(xq, xqt, sx), parts.tag_quantized_weights(wq, wqt, sw)
+    (xq, xqt, sx) = parts.tag_quantized(xq, xqt, sx)
+    sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp, quant), E4M3))
+    wq, wqt = fp8_quant.cast_transpose(wp, jnp.broadcast_to(sw[:, None], wp.shape[:2]), E4M3, quant)
+    if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
+      wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
+      w_res = wq
+    else:  # the backward casts w again from the saved scales: one pass, no amax, no transposed copy
+      (wqt,) = parts.tag_quantized(wqt)
+      w_res = w
     y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms,
                            n_out=out_dim(n, nc, out_dtype))
-    res = (xqt, sx, wq, sw, group_sizes, *protos)
+    res = (xqt, sx, w_res, sw, group_sizes, *protos)
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
@@ -874,14 +885,16 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant):
   return y[:m, :n], res
 
 
-def _gmm_bwd(scaling, out_dtype, configs, sms, quant, res, dy):
-  del out_dtype
+def _gmm_bwd(scaling, out_dtype, configs, sms, quant, keep_fp8_weights, res, dy):
+  del out_dtype, keep_fp8_weights
   xs, sx, wq, sw, group_sizes, x_proto, w_proto = res
   m = dy.shape[0]
   _, k, n = w_proto.shape
   mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kc, Mp), w (G, Kc, Nc)
   if scaling == "current":
-    kc, nc = wq.shape[1:]
+    kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
+    if wq.dtype != E4M3:  # the weights themselves (keep_fp8_weights off): w_q again, from the saved scales
+      wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3, quant)
     dyp = pad_to(dy, (mp, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)

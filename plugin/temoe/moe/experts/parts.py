@@ -36,8 +36,19 @@ QUANTIZED = "quantization"
 FP8_WEIGHTS = "te_moe_fp8_weights"
 """temoe's remat name for the expert weights' FP8 copies and scales (also `quantization`). MaxText's
 custom policy saves the names its config lists; temoe's flag of the same name adds this one
-(temoe.maxtext.config), so the backward reads the copies the forward made instead of quantizing the
-weights again (one amax pass and one cast pass per weight and step)."""
+(temoe.maxtext.config), so the backward reads the copies the forward made instead of making them again
+(current scaling: one cast pass per weight from the kept scales, FP8_SCALES; blockwise: one quantizing pass)."""
+
+
+FP8_SCALES = "te_moe_fp8_scales"
+"""temoe's remat name for the expert weights' per-expert FP8 scales (current scaling), which temoe adds
+to the names MaxText's custom policy keeps (temoe.maxtext.config): G floats per weight, and with them
+the backward casts the weights again in one pass, with no second amax pass over them."""
+
+
+def tag_weight_scales(scales: jax.Array) -> jax.Array:
+  """FP8_SCALES, and `quantization` (MaxText's *_with_quantization policies keep them too)."""
+  return checkpoint_name(tag_quantized(scales)[0], FP8_SCALES)
 
 
 def tag_quantized_weights(*arrays: jax.Array) -> tuple[jax.Array, ...]:
@@ -67,5 +78,14 @@ def gated_mlp(
   w0_bias, w1_bias, wo_bias = biases
   w0, w1 = split_gate_up(gemm(x, wi))
   w0, w1 = tag_up(add_row_bias(w0, w0_bias, experts_of_rows), add_row_bias(w1, w1_bias, experts_of_rows))
-  y = gemm(ctx.activation(w0, w1), wo)
+  y = separate(gemm(ctx.activation(w0, w1), wo))
   return tag_down(add_row_bias(y, wo_bias, experts_of_rows))
+
+
+def separate(y: jax.Array) -> jax.Array:
+  """y unchanged, behind an optimization barrier. A remat policy that keeps the down GEMM's output
+  (moe_mlpwo) has it written into the scan's stacked residual and also read by the combine; XLA's
+  dynamic-slice fusion then clones the GEMM's custom call to write the stack in place, running the
+  down GEMM twice in the forward (0.73 ms a DeepSeek-V3 proxy layer on the H200). Behind the barrier
+  the stack gets a copy of y instead."""
+  return jax.lax.optimization_barrier(y)
