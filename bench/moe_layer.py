@@ -93,7 +93,10 @@ def timed(fn, *args, iters: int) -> float:
 
 def context(kernel: str, recipe: str, experts: int, top_k: int) -> MoEContext:
   align = 1 if kernel == "tokamax" else recipes.row_alignment(recipe, kernel)
-  return MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=recipe, kernel=kernel, align=align)
+  # the layer runs under no jax.checkpoint here: its backward reads the forward's FP8 weight copies, as the
+  # adapter has it for an unscanned layer without remat (temoe.maxtext.adapter.fp8_weights)
+  return MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=recipe, kernel=kernel, align=align,
+                    fp8_weights="device")
 
 
 def mlp_of(ctx: MoEContext):

@@ -99,3 +99,16 @@ def test_the_weights_scales_are_kept_and_the_backward_casts_the_weights_again(mo
   assert not [line for line in lines if "f8_e4m3fn" in line]
   without, _ = saved_lines("te_fp8_current", SHIPPED_NAMES, capsys)  # MaxText's named policies: scales recomputed
   assert not [line for line in without if parts.FP8_SCALES in line]
+
+
+@pytest.mark.parametrize("scan, policy, flag, expected", [
+    (True, "none", "remat", "remat"),  # scanned: jax.checkpoint with policy None, everything recomputed
+    (False, "none", "remat", "device"),  # no jax.checkpoint at all: the forward's copies are kept anyway
+    (False, "custom", "remat", "remat"),
+    (True, "custom", "device", "device"),
+])
+def test_the_adapter_keeps_the_forwards_weight_copies_where_nothing_is_recomputed(scan, policy, flag, expected):
+  from temoe.maxtext import adapter  # pylint: disable=import-outside-toplevel
+
+  cfg = types.SimpleNamespace(scan_layers=scan, remat_policy=policy, te_moe_fp8_weights=flag)
+  assert adapter.fp8_weights(cfg) == expected

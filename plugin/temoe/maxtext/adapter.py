@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from temoe import hardware, recipes
-from temoe.maxtext import metrics, router
+from temoe.maxtext import introspect, metrics, router
 from temoe.moe import block
 from temoe.moe.context import MoEContext
 from temoe.moe.routing import Routing
@@ -65,8 +65,17 @@ def context(layer) -> MoEContext:
       exchange=cfg.te_moe_exchange,
       check_finite=cfg.te_moe_check_finite,
       name=layer_name(layer) if cfg.te_moe_check_finite else "MoE layer",
-      fp8_weights=str(getattr(cfg, "te_moe_fp8_weights", "remat")),
+      fp8_weights=fp8_weights(cfg),
   )
+
+
+def fp8_weights(cfg) -> str:
+  """Where the expert weights' FP8 copies live for the backward: as te_moe_fp8_weights says, or "device"
+  where MaxText wraps the layer in no jax.checkpoint at all (remat_policy none, unscanned), since then the
+  forward's copies are kept anyway and casting the weights again would be a pass for nothing."""
+  if not introspect.checkpointed(cfg):
+    return "device"
+  return str(cfg.te_moe_fp8_weights)
 
 
 def te_moe_block(layer, inputs, wi, wo, w0_bias=None, w1_bias=None, wo_bias=None, out_sharding=None):

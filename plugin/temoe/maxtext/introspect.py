@@ -56,6 +56,13 @@ def remat_policy(config):
   return nnx_decoders.NNXDecoder.get_remat_policy(decoder)
 
 
+def checkpointed(config) -> bool:
+  """Whether MaxText wraps each decoder layer in jax.checkpoint: always where layers are scanned (a policy
+  of None recomputes everything), and unscanned unless remat_policy is none (its decoder calls the
+  layer directly then)."""
+  return bool(getattr(config, "scan_layers", True)) or config.remat_policy not in ("none", None)
+
+
 def train(argv: list[str]) -> None:
   """MaxText's pre-training main under absl, as `python -m maxtext.trainers.pre_train.train` runs it."""
   from absl import app  # pylint: disable=import-outside-toplevel

@@ -187,7 +187,9 @@ def placement(policy, name: str, config) -> str:
   """Where the policy keeps a named tensor: 'device', 'host' or 'remat' (recomputed)."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  if config.remat_policy in ("none", None) and not getattr(config, "scan_layers", True):  # unscanned: no jax.checkpoint
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+  if not introspect.checkpointed(config):  # unscanned, remat_policy none: everything the step computes is kept
     return "device"  # (scanned ones are wrapped with policy None: everything recomputed)
   decision = policy(_name_primitive(), jax.ShapeDtypeStruct((1,), "float32"), name=name) if policy else False
   if hasattr(decision, "dst"):  # an Offloadable(src, dst) decision (jax.checkpoint_policies' offload policies)
