@@ -886,14 +886,14 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp
 
 
 def _gmm_bwd(scaling, out_dtype, configs, sms, quant, keep_fp8_weights, res, dy):
-  del out_dtype, keep_fp8_weights
+  del out_dtype
   xs, sx, wq, sw, group_sizes, x_proto, w_proto = res
   m = dy.shape[0]
   _, k, n = w_proto.shape
   mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kc, Mp), w (G, Kc, Nc)
   if scaling == "current":
     kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
-    if wq.dtype != E4M3:  # the weights themselves (keep_fp8_weights off): w_q again, from the saved scales
+    if not keep_fp8_weights:  # the residual is w itself: w_q again, from the forward's (kept) scales
       wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3, quant)
     dyp = pad_to(dy, (mp, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
