@@ -331,20 +331,17 @@ def test_odd_shapes_fail_with_one_line(k, n):
   assert str(e2.value) == str(e.value)
 
 
-def test_weight_amax_and_cast_kernels_match_xla_and_keep_the_gradients():
-  """The weights' Triton amax and the backward's cast (from the forward's saved scales) give XLA's bits and
-  the forward's w_q; grouped_matmul's gradients are the same bit for bit whether the backward reads the
-  forward's FP8 copy of w (keep_fp8_weights) or casts w again; a NaN in an expert's weights gives it a
-  NaN amax, as XLA's reduction does."""
+def test_the_backwards_weight_cast_is_the_forwards_copy_and_keeps_the_gradients():
+  """The backward's cast of the weights from the forward's scales gives the w_q the forward's Triton
+  cast-transpose wrote, bit for bit (DeepSeek-V3's and the 2880-dim layer's weights); grouped_matmul's
+  gradients are the same bit for bit whether the backward reads the forward's FP8 copy of w
+  (keep_fp8_weights) or casts w again."""
   x, w, sizes, _, cot = make_problem("skewed")
   for shape in ((32, 7168, 2048), (8, 2880, 2880 * 2), w.shape):
     ww = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(jnp.bfloat16)
-    amax = jax.jit(fq.weight_amax, static_argnums=1)(ww, "triton")
-    np.testing.assert_array_equal(np.asarray(amax), np.asarray(jnp.max(jnp.abs(f32(ww)), axis=(1, 2))))
     wq, _, s = jax.jit(fq.quantize_experts, static_argnums=(1, 2))(ww, mz.E4M3, "triton")
-    again = jax.jit(fq.cast_experts, static_argnums=(2, 3))(ww, s, mz.E4M3, "triton")
+    again = jax.jit(fq.cast_experts, static_argnums=2)(ww, s, mz.E4M3)
     np.testing.assert_array_equal(np.asarray(f32(again)), np.asarray(f32(wq)))
-  assert np.isnan(np.asarray(fq.weight_amax(w.at[2, 3, 5].set(jnp.nan), "triton"))[2])
 
   def grads(keep):
     def f(a, b):

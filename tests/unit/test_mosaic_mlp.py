@@ -52,3 +52,27 @@ def test_mosaic_mlp_matches_xla_in_interpret_mode(recipe, monkeypatch):
   assert rel(np.asarray(y, np.float32)[slots], np.asarray(ref_y)[slots]) < fwd_bound
   for g, r in zip(grads, ref_grads):
     assert rel(np.asarray(g, np.float32), np.asarray(r)) < grad_bound
+
+
+def test_current_scalings_backward_casts_the_weights_to_the_same_gradients_it_had_from_the_forwards_copies(monkeypatch):
+  """te_fp8_current with te_moe_fp8_weights=remat (the backward casts the weights again from the forward's
+  scales) and with device (it reads the forward's FP8 copies): the same gradients, bit for bit."""
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  keys = jax.random.split(jax.random.key(1), 3)
+  ids = jnp.asarray(np.random.default_rng(1).integers(0, EXPERTS, (TOKENS, TOP_K)).astype(np.int32))
+  p = dispatch.plan(ids, EXPERTS, recipes.row_alignment("te_fp8_current", "mosaic"))
+  x = dispatch.dispatch(jax.random.normal(keys[0], (TOKENS, EMB)).astype(jnp.bfloat16), p, TOP_K)
+  wi = (jax.random.normal(keys[1], (EXPERTS, EMB, 2 * FFN)) * EMB**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(keys[2], (EXPERTS, FFN, EMB)) * FFN**-0.5).astype(jnp.bfloat16)
+
+  def grads(where):
+    ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe="te_fp8_current", kernel="mosaic",
+                     align=recipes.row_alignment("te_fp8_current", "mosaic"), fp8_weights=where)
+    loss = lambda *a: jnp.sum(mosaic.mlp(ctx, *a[:1], p, *a[1:], (None, None, None), None).astype(jnp.float32) ** 2)
+    with plgpu.force_gpu_interpret_mode():
+      return jax.grad(loss, argnums=(0, 1, 2))(x, wi, wo)
+
+  recast, kept = grads("remat"), grads("device")
+  assert np.asarray(recast[1], np.float32).any()
+  for a, b in zip(recast, kept):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

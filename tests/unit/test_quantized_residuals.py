@@ -90,8 +90,8 @@ def test_te_moe_fp8_weights_keeps_the_weights_fp8_copies_alone(recipe, monkeypat
 
 def test_the_weights_scales_are_kept_and_the_backward_casts_the_weights_again(monkeypatch, capsys):
   """Current scaling under the shipped policy plus temoe's scales name (what temoe.maxtext.config adds to
-  MaxText's custom lists): the backward keeps the weights' per-expert scales (G floats each), no FP8 copy
-  of them, and its gradients are those of the path that keeps the forward's copies, bit for bit."""
+  MaxText's custom lists): the backward keeps the weights' per-expert scales (G floats each) and no FP8
+  copy of them (that its gradients are those of the kept copies: test_mosaic_mlp, tests/gpu)."""
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
   lines, _ = saved_lines("te_fp8_current", (*SHIPPED_NAMES, parts.FP8_SCALES), capsys)
   scales = [line for line in lines if f"named '{parts.FP8_SCALES}'" in line]

@@ -40,10 +40,10 @@ def test_arrays_whose_element_offsets_would_wrap_take_xla(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", [(3, 128, 1024), (2, 192, 320)], ids=["wide_blocks", "narrow_blocks"])
-def test_weight_amax_and_cast_kernels_match_xla_and_the_forwards_copy(shape, monkeypatch):
-  """The weights' Triton amax (partial maxima) and the backward's cast without transpose (Pallas' generic
-  interpreter on CPU) give XLA's values bit for bit, and the cast from the forward's scales is the forward's
-  w_q (what the dgrad read before the backward stopped quantizing the weights again); NaN stays visible."""
+def test_the_backwards_weight_cast_is_the_forwards_copy(shape, monkeypatch):
+  """The backward's cast of the weights from the forward's scales (`cast_experts`) gives the w_q the
+  forward's cast-transpose wrote, bit for bit, whether that ran as the Triton kernel (Pallas' generic
+  interpreter on CPU) or as XLA's expression; a NaN in an expert's weights reaches its amax."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -52,11 +52,9 @@ def test_weight_amax_and_cast_kernels_match_xla_and_the_forwards_copy(shape, mon
   w = jax.random.normal(jax.random.key(0), shape, jnp.float32).astype(jnp.bfloat16)
   w = w.at[1].multiply(1e3)  # experts of different ranges: per-expert scales differ
   for impl in ("triton", "xla"):
-    amax = fp8_quant.weight_amax(w, impl)
-    np.testing.assert_array_equal(np.asarray(amax), np.asarray(jnp.max(jnp.abs(w.astype(jnp.float32)), axis=(1, 2))))
-    wq, wqt, s = fp8_quant.quantize_experts(w, fp8_quant.E4M3, impl)
-    again = fp8_quant.cast_experts(w, s, fp8_quant.E4M3, impl)
+    wq, _, s = fp8_quant.quantize_experts(w, fp8_quant.E4M3, impl)
+    assert len(set(np.asarray(s).tolist())) == shape[0]
+    again = fp8_quant.cast_experts(w, s, fp8_quant.E4M3)
     assert again.dtype == wq.dtype and again.shape == wq.shape
     np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)))
-  poisoned = w.at[0, 5, 7].set(jnp.nan)
-  assert np.isnan(np.asarray(fp8_quant.weight_amax(poisoned, "triton"))[0])
+  assert np.isnan(np.asarray(fp8_quant.weight_amax(w.at[0, 5, 7].set(jnp.nan))))[0]

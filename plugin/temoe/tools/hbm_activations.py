@@ -324,7 +324,6 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   # gate/up GEMM is recomputed)
   cast_in_backward = q and recipes.REGISTRY[str(c.te_gmm_quantization)].scaling == "current" and not kept_w
   if cast_in_backward:
-    res_w = 1
     remade, down_w, up_w = (q * wi if gate_up else 0), q * wo, q * wi
   else:
     remade, down_w, up_w = (0 if kept_w else q * (2 * wi + wo)), res_w * q * (wi + wo), res_w * q * wi

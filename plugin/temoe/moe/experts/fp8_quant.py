@@ -49,14 +49,11 @@ DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.1-1.4x XLA's fusion alone, 
 TRITON_BLOCK = (64, 128, 4)
 NARROW_BLOCKS = ((128, 64, 8), (64, 64, 4))
 # The weights' per-expert amax (`weight_amax`) and the backward's cast of them without transpose
-# (`cast_experts`: one FP8 layout from the forward's saved scales, no second amax): XLA's fusions by
-# default ("auto"), Pallas Triton kernels where asked ("triton": partial maxima over (rows, cols) blocks).
-# Measured in the H200 proxy's step (profiles of the 3- and 5-layer proxies, one call): the Triton amax
-# alone ran in 0.71 ms a MoE layer against XLA's 1.33, but a scanned layer's weight slice read by two
-# kernels (the amax and cast_transpose) is no longer read in place: XLA copied each weight out of the
-# stack in the forward and the backward, 2.66 ms a layer. XLA's fusions read the slice in place.
-AMAX_BLOCKS = ((64, 512, 8), (64, 128, 4), (64, 64, 4))
-CAST_BLOCKS = ((64, 256, 4), (64, 128, 4), (64, 64, 4))
+# (`cast_experts`) are XLA's fusions: inside the scanned step they read a layer's slice of the stacked
+# weights in place. Pallas Triton kernels for both were measured in the H200 proxy (profiles of the 3- and
+# 5-layer proxies, one call: README, "The marginal MoE decoder layer"): the amax kernel ran in 0.71 ms a
+# MoE layer against XLA's 1.33, but with two kernels reading a weight's slice XLA copied each weight out
+# of the stack in the forward and the backward, 2.66 ms a layer, so they were not kept.
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
 
 
@@ -124,77 +121,16 @@ def _cast_transpose_triton(x, row_scale, dtype, block):
   )(x, row_scale.astype(jnp.float32))
 
 
-def _cast_kernel(x_ref, s_ref, q_ref, *, dtype):
-  v = x_ref[...].astype(jnp.float32) * s_ref[...][:, None]
-  fmax = FMAX[jnp.dtype(dtype)]
-  q_ref[...] = jnp.minimum(jnp.maximum(v, -fmax), fmax).astype(dtype)
-
-
-def _cast_triton(x, row_scale, dtype, block):
-  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
-
-  b, r, c = x.shape
-  br, bc, warps = block
-  return pl.pallas_call(
-      functools.partial(_cast_kernel, dtype=jnp.dtype(dtype)),
-      grid=(b, r // br, c // bc),
-      in_specs=[pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)), pl.BlockSpec((None, br), lambda i, j, k: (i, j))],
-      out_specs=pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
-      out_shape=jax.ShapeDtypeStruct((b, r, c), dtype),
-      compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
-      interpret=INTERPRET,
-      name="temoe_fp8_cast",
-  )(x, row_scale.astype(jnp.float32))
-
-
-def _amax_kernel(x_ref, o_ref):
-  # abs and max round nothing: the bf16 block's max is exact, widened once. A NaN gives NaN, as XLA's
-  # max does (a GPU max reduction may return the larger number instead).
-  a = jnp.abs(x_ref[...].astype(jnp.float32))
-  m = jnp.max(jnp.where(a != a, jnp.inf, a))
-  o_ref[0, 0] = jnp.where(jnp.max(jnp.where(a != a, 1.0, 0.0)) > 0, jnp.nan, m)
-
-
-def _amax_triton(x, block):
-  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
-
-  b, r, c = x.shape
-  br, bc, warps = block
-  partial = pl.pallas_call(
-      _amax_kernel,
-      grid=(b, r // br, c // bc),
-      in_specs=[pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k))],
-      out_specs=pl.BlockSpec((None, None, 1, 1), lambda i, j, k: (i, j, k, 0)),
-      out_shape=jax.ShapeDtypeStruct((b, r // br, c // bc, 1), jnp.float32),
-      compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=2),
-      interpret=INTERPRET,
-      name="temoe_fp8_weight_amax",
-  )(x)
-  return jnp.max(partial, axis=(1, 2, 3))
-
-
-def _fitting(blocks, shape):
-  """The first of `blocks` whose rows and columns divide the (B, R, C) `shape` (the last if none does)."""
-  return next((b for b in blocks if shape[-2] % b[0] == 0 and shape[-1] % b[1] == 0), blocks[-1])
-
-
-def weight_amax(w: jax.Array, impl: str | None = None) -> jax.Array:
-  """(G,) f32 amax of each expert's (K, N) weights (exact: a max of |w|, NaN propagates); "auto": XLA's."""
-  block = _fitting(AMAX_BLOCKS, w.shape)
-  if impl not in (None, "auto") and resolve(impl, w.shape, block) == "triton":
-    return _amax_triton(w, block)
+def weight_amax(w: jax.Array) -> jax.Array:
+  """(G,) f32 amax of each expert's (K, N) weights (exact: a max of |w|; NaN propagates)."""
   return jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32)
 
 
-def cast_experts(w: jax.Array, scales: jax.Array, dtype, impl: str | None = None) -> jax.Array:
+def cast_experts(w: jax.Array, scales: jax.Array, dtype) -> jax.Array:
   """w_q (G, K, N) of `quantize_experts` from its scales, without the transposed copy or the amax: the same
-  values bit for bit (the backward's dgrad reads w_q; the scales were saved from the forward)."""
-  g, k, _ = w.shape
-  row_scale = jnp.broadcast_to(scales.astype(jnp.float32)[:, None], (g, k))
-  block = _fitting(CAST_BLOCKS, w.shape)
-  if impl not in (None, "auto") and resolve(impl, w.shape, block) == "triton":
-    return _cast_triton(w, row_scale, dtype, block)
-  return _saturate(w.astype(jnp.float32) * row_scale[..., None], dtype)
+  values bit for bit, whichever implementation made the forward's (the backward's dgrad reads w_q; the
+  scales were kept from the forward)."""
+  return _saturate(w.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, None], dtype)
 
 
 def block_for(shape: tuple[int, ...]):
@@ -241,6 +177,6 @@ def quantize_rows(x: jax.Array, tile_expert: jax.Array, num_groups: int, dtype, 
 def quantize_experts(w: jax.Array, dtype, impl: str | None = None):
   """Per-expert current scaling of (G, K, N) weights: (w_q (G, K, N), w_q^T (G, N, K), scales (G,))."""
   g, k, _ = w.shape
-  s = group_scales(weight_amax(w, impl), dtype)
+  s = group_scales(weight_amax(w), dtype)
   q, qt = cast_transpose(w, jnp.broadcast_to(s[:, None], (g, k)), dtype, impl)
   return q, qt, s

@@ -861,7 +861,7 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp
     # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
     xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
     (xq, xqt, sx) = parts.tag_quantized(xq, xqt, sx)
-    sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp, quant), E4M3))
+    sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp), E4M3))
     wq, wqt = fp8_quant.cast_transpose(wp, jnp.broadcast_to(sw[:, None], wp.shape[:2]), E4M3, quant)
     if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
       wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
@@ -894,7 +894,7 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, keep_fp8_weights, res, dy)
   if scaling == "current":
     kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
     if not keep_fp8_weights:  # the residual is w itself: w_q again, from the forward's (kept) scales
-      wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3, quant)
+      wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3)
     dyp = pad_to(dy, (mp, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
