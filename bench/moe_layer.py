@@ -9,7 +9,8 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
 Paths per shape, each measured in this process: temoe FP8 with DeepSeek-V3's block scales
 (`temoe_fp8_blockwise`, recipe te_fp8_blockwise, with dispatch's gather and combine's backward fused
 into its quantizers: mosaic_tokens; `temoe_fp8_blockwise_unfused` through a bf16 buffer), temoe FP8 on its Hopper kernels (`mosaic`, with
-fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions), temoe
+fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions; `temoe_fp8_tokens` with
+dispatch's gather and combine's backward fused into the casts, as blockwise's: mosaic_tokens), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
 it), and the dense FP8 (TE) and bf16 (XLA) ceilings of the same GEMMs. Per-GEMM forward TFLOP/s
@@ -50,13 +51,17 @@ PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8_blockwise_unfused": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8_blockwise_divide": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
+    "temoe_fp8_tokens": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
     "temoe_bf16": ("mosaic", "te_no_quant"),
     "tokamax_bf16": ("tokamax", "te_no_quant"),
 }
 QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
-UNFUSED = {"temoe_fp8_blockwise_unfused"}  # mosaic_tokens.FUSED off: dispatch -> bf16 buffer -> mosaic.mlp
+TOKENS_SCALINGS = {  # mosaic_tokens.SCALINGS per path (default: its default, blockwise)
+    "temoe_fp8_blockwise_unfused": (),  # dispatch -> bf16 buffer -> mosaic.mlp
+    "temoe_fp8_tokens": ("blockwise", "current"),  # current scaling's MLP from tokens (TEMOE_TOKENS_MLP)
+}
 DIVIDE = {"temoe_fp8_blockwise_divide"}  # fp8_block's quantizers as before RECIPROCAL / AMAX_IN_INPUT_DTYPE
 
 
@@ -105,7 +110,7 @@ def mlp_of(ctx: MoEContext):
 
 def layer_of(ctx: MoEContext, ids, weights):
   """layer(x, wi, wo) -> out (tokens, emb): dispatch -> the path's expert MLP -> combine, or the kernel's
-  MLP from tokens where it offers one (block.tokens_mlp: the blockwise recipe with mosaic_tokens.FUSED)."""
+  MLP from tokens where it offers one (block.tokens_mlp: the recipes in mosaic_tokens.SCALINGS)."""
   mlp = mlp_of(ctx)
   none = (None, None, None)
 
@@ -237,7 +242,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       "load_max_over_mean": float(loads.max() / loads.mean()), "empty_experts": int((loads == 0).sum()),
       "useful_tflop_per_iter": useful / 1e12, "per_gemm_fwd_tflops": {},
   }
-  default_quant, fused_default = fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED
+  default_quant, fused_default = fp8_quant.DEFAULT_IMPL, mosaic_tokens.SCALINGS
   block_flags = fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE
   if errors:  # the float32 layer on the same routing and the same (bf16-valued) inputs
     ref = float32_layer_vjp(ids, weights, experts, top_k, int(loads.max()))(*(a.astype(jnp.float32) for a in (x, wi, wo, cot)))
@@ -246,7 +251,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
     kernel, recipe = PATHS[path]
     ctx = context(kernel, recipe, experts, top_k)
     fp8_quant.DEFAULT_IMPL = QUANT.get(path, default_quant)  # both read when the path is traced
-    mosaic_tokens.FUSED = path not in UNFUSED
+    mosaic_tokens.SCALINGS = frozenset(TOKENS_SCALINGS.get(path, mosaic_tokens.DEFAULT_SCALINGS))
     fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE = (False, False) if path in DIVIDE else block_flags
     try:
       fn = layer_fwdbwd(ctx, ids, weights)
@@ -272,7 +277,7 @@ def measure_shape(name: str, iters: int, per_gemm: bool = True, paths=tuple(PATH
       out[f"{path}_error"] = error_text(exc)
     print(name, path, {k: v for k, v in out.items() if k.startswith(path)}, out["per_gemm_fwd_tflops"].get(path),
           out.get("errors", {}).get(path), flush=True)
-  fp8_quant.DEFAULT_IMPL, mosaic_tokens.FUSED = default_quant, fused_default
+  fp8_quant.DEFAULT_IMPL, mosaic_tokens.SCALINGS = default_quant, fused_default
   fp8_block.RECIPROCAL, fp8_block.AMAX_IN_INPUT_DTYPE = block_flags
   xd = jax.random.normal(kx, (rows, hidden), jnp.bfloat16)
   wd = (jax.random.normal(kw, (hidden, 2 * ffn), jnp.float32) * hidden**-0.5).astype(jnp.bfloat16)

@@ -92,6 +92,7 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
     "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
+    "temoe_fp8_tokens": (SHIPPED, [], {"TEMOE_TOKENS_MLP": "blockwise,current"}),  # x and dy quantized from tokens
     "stock_best_env": (SHIPPED, STOCK_MOE, True),
     "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
     "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),

@@ -44,6 +44,15 @@ def test_config_error_names_the_fix(case):
     assert text in message, message
 
 
+def test_an_unknown_tokens_path_scaling_is_refused_with_the_config(monkeypatch):
+  monkeypatch.setenv("TEMOE_TOKENS_MLP", "current,bf16")
+  with pytest.raises(pydantic.ValidationError) as info:
+    maxtext_config()
+  message = cli.config_error_message(info.value)
+  assert len(info.value.errors()) == 1 and "TEMOE_TOKENS_MLP='current,bf16'" in message
+  assert "choose from blockwise, current" in message, message
+
+
 def test_lifted_restrictions_reach_the_config():
   cfg = maxtext_config("routed_bias_update_rate=0.01", "norm_topk_prob=true")
   assert cfg.te_moe_block and cfg.routed_bias_update_rate == 0.01 and cfg.norm_topk_prob

@@ -1,6 +1,6 @@
-"""The blockwise MLP from tokens (`mosaic_tokens`: dispatch's gather and combine's backward fused
-into the quantizers) against the same recipe unfused (dispatch -> mosaic.mlp -> combine) and a
-float32 layer, on CPU in Pallas' GPU interpret mode: tiny shapes, logic only."""
+"""The FP8 recipes' MLP from tokens (`mosaic_tokens`: dispatch's gather and combine's backward fused
+into the quantizers, blockwise and current scaling) against the same recipe unfused (dispatch ->
+mosaic.mlp -> combine) and a float32 layer, on CPU in Pallas' GPU interpret mode: tiny shapes, logic only."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from temoe import recipes
 from temoe.moe import block, dispatch
 from temoe.moe.context import MoEContext
-from temoe.moe.experts import fp8_block, mosaic, mosaic_gemm, mosaic_tokens, xla
+from temoe.moe.experts import fp8_block, fp8_quant, mosaic, mosaic_gemm, mosaic_tokens, xla
 
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
 RECIPE = "te_fp8_blockwise"
+RECIPES = ("te_fp8_blockwise", "te_fp8_current")
 
 
 def rel(a, b):
@@ -26,10 +27,12 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-@pytest.mark.parametrize("float32_sum", [True, False])
-def test_tokens_mlp_matches_the_unfused_layer_and_float32(float32_sum, monkeypatch):
+@pytest.mark.parametrize("recipe,float32_sum,fp8_weights", [
+    (RECIPE, True, "remat"), (RECIPE, False, "remat"), ("te_fp8_current", True, "remat"),
+    ("te_fp8_current", False, "device")])
+def test_tokens_mlp_matches_the_unfused_layer_and_float32(recipe, float32_sum, fp8_weights, monkeypatch):
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
-  align = recipes.row_alignment(RECIPE, "mosaic")
+  align = recipes.row_alignment(recipe, "mosaic")
   rng = np.random.default_rng(0)
   keys = jax.random.split(jax.random.key(0), 5)
   ids = jnp.asarray(rng.choice([0, 2], (TOKENS, TOP_K)).astype(np.int32))  # expert 1 empty
@@ -39,8 +42,8 @@ def test_tokens_mlp_matches_the_unfused_layer_and_float32(float32_sum, monkeypat
   wo = (jax.random.normal(keys[2], (EXPERTS, FFN, EMB)) * FFN**-0.5).astype(jnp.bfloat16)
   weights = jax.nn.softmax(jax.random.normal(keys[3], (TOKENS, TOP_K)), axis=-1)
   cot = jax.random.normal(keys[4], (TOKENS, EMB))
-  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=align,
-                   float32_weight_sum=float32_sum)
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=align,
+                   float32_weight_sum=float32_sum, fp8_weights=fp8_weights)
   none = (None, None, None)
 
   def fused(x, wi, wo, weights):
@@ -61,7 +64,7 @@ def test_tokens_mlp_matches_the_unfused_layer_and_float32(float32_sum, monkeypat
   ref = grads(lambda *a: unfused(*a, c=f32, mlp=xla.mlp), *(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
   assert got[0].dtype == same_recipe[0].dtype
   assert not np.asarray(got[2], np.float32)[1].any() and not np.asarray(got[3], np.float32)[1].any()  # empty expert
-  fwd_bound, grad_bound = recipes.REGISTRY[RECIPE].error_bound
+  fwd_bound, grad_bound = recipes.REGISTRY[recipe].error_bound
   for name, g, s, r in zip(("out", "dx", "dwi", "dwo", "dweights"), got, same_recipe, ref):
     assert g.shape == s.shape and g.dtype == s.dtype, name
     bound = fwd_bound if name == "out" else grad_bound
@@ -69,7 +72,7 @@ def test_tokens_mlp_matches_the_unfused_layer_and_float32(float32_sum, monkeypat
     # the same recipe: the forward bitwise; the backward differs only where dy was rounded to bf16 first
     if name == "out":  # the same forward, to the bit
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(s, np.float32))
-    else:  # the backward rounds dy once (E4M3) where the unfused layer rounds it to bf16 first
+    else:  # the backward rounds dy once (to FP8) where the unfused layer rounds it to bf16 first
       assert rel(g, s) < bound / 2 and rel(g, r) < 1.05 * rel(s, r) + 1e-3, (name, rel(g, s), rel(g, r), rel(s, r))
 
 
@@ -95,6 +98,55 @@ def test_the_fused_gather_quantizes_what_dispatch_would_write(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_the_current_gathered_quantizer_is_quantize_rows_of_what_dispatch_would_write(impl, monkeypatch):
+  """fp8_quant.quantize_gathered against quantize_rows of the buffer, bit for bit: x's rows (E4M3) and
+  dy's (the tokens' gradient times each slot's routing weight, in fp32, E5M2); an empty expert, padding
+  slots, rows over six decades, a NaN in one token (its experts' scales fall back to 1, as unfused)."""
+  monkeypatch.setattr(fp8_quant, "INTERPRET", True)
+  rng = np.random.default_rng(2)
+  ids = jnp.asarray(rng.choice([0, 2], (TOKENS, TOP_K)).astype(np.int32))  # expert 1 empty
+  p = dispatch.plan(ids, EXPERTS, 128)
+  tiles = mosaic_gemm.tile_groups(p.padded_group_sizes, p.buffer_rows // 128, 128)
+  assert (np.asarray(tiles) == -1).any() or p.buffer_rows > sum(np.asarray(p.padded_group_sizes))
+  for poison in (False, True):
+    x = rng.standard_normal((TOKENS, 256)) * 10.0 ** rng.uniform(-3, 3, (TOKENS, 1))
+    if poison:
+      x[5, 7] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    weights = jnp.asarray(rng.random((TOKENS, TOP_K)), jnp.float32)
+    index = mosaic_tokens._slot_tokens(p.choice_of_slot, TOP_K, TOKENS, p.buffer_rows)  # pylint: disable=protected-access
+    slot_weights = mosaic_tokens._slot_weights(p.choice_of_slot, weights, p.buffer_rows)  # pylint: disable=protected-access
+    buffer = dispatch.dispatch(x, p, TOP_K)
+    np.testing.assert_array_equal(np.asarray(fp8_quant.gather_rows(x, index), np.float32),
+                                  np.asarray(buffer, np.float32))
+    for weight, rows, dtype in ((None, buffer, fp8_quant.E4M3),
+                                (slot_weights, buffer.astype(jnp.float32) * slot_weights[:, None], fp8_quant.E5M2)):
+      want = fp8_quant.quantize_rows(rows, tiles, EXPERTS, dtype, impl="xla")
+      got = fp8_quant.quantize_gathered(x, index, tiles, EXPERTS, dtype, weight, impl=impl)
+      assert float(got[2][1]) == 1.0  # the empty expert
+      sick = sorted(set(np.asarray(ids)[5].tolist())) if poison else []  # token 5's experts
+      clean = ~np.isin(np.repeat(np.asarray(tiles), 128), sick)  # the rows of the other experts
+      for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+      np.testing.assert_array_equal(np.asarray(got[0], np.float32)[clean], np.asarray(want[0], np.float32)[clean])
+      np.testing.assert_array_equal(np.asarray(got[1], np.float32)[:, clean], np.asarray(want[1], np.float32)[:, clean])
+      others = [e for e in range(EXPERTS) if e not in sick]
+      np.testing.assert_array_equal(np.asarray(got[2])[others], np.asarray(want[2])[others])
+      if poison:  # a NaN amax: scale 1 (XLA's CPU max over an fp32 buffer may skip the NaN: not compared)
+        assert (np.asarray(got[2])[sick] == 1.0).all()
+        q = np.asarray(got[0], np.float32)[~clean]
+        assert np.isnan(q).sum() == int((np.asarray(index) == 5).sum()) and np.isnan(q[:, 7]).sum() == np.isnan(q).sum()
+
+
+def test_tokens_path_scalings_come_from_the_environment():
+  assert mosaic_tokens.scalings_of(None) == {"blockwise"}
+  assert mosaic_tokens.scalings_of("blockwise, current") == {"blockwise", "current"}
+  assert mosaic_tokens.scalings_of("none") == set() and mosaic_tokens.scalings_of("") == set()
+  with pytest.raises(ValueError, match="bf16 unknown; choose from blockwise, current"):
+    mosaic_tokens.scalings_of("current,bf16")
+
+
 def abstract_h200():
   """An abstract mesh on an H200, so Pallas' Triton backend lowers on a host without a GPU (its
   Python lowering to Triton IR; Triton's own compiler runs on the GPU: tests/gpu)."""
@@ -111,18 +163,23 @@ def test_the_triton_quantizers_lower_for_an_h200():
         (lambda x, i: fp8_block.quantize_gathered(x, i, impl="triton"), (S((1000, 7168), jnp.bfloat16), S((8192,), jnp.int32))),
         (lambda g, i, w: fp8_block.quantize_gathered(g, i, w, True, impl="triton"),
          (S((1000, 7168), jnp.float32), S((8192,), jnp.int32), S((8192,), jnp.float32))),
+        (lambda x, i, t: fp8_quant.quantize_gathered(x, i, t, 32, fp8_quant.E4M3, impl="triton"),
+         (S((1000, 7168), jnp.bfloat16), S((8192,), jnp.int32), S((64,), jnp.int32))),
+        (lambda g, i, t, w: fp8_quant.quantize_gathered(g, i, t, 32, fp8_quant.E5M2, w, impl="triton"),
+         (S((1000, 2880), jnp.bfloat16), S((8192,), jnp.int32), S((64,), jnp.int32), S((8192,), jnp.float32))),
     ):
       text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
       assert text.count("custom_call @__gpu$xla.gpu.triton") == 1
 
 
-def test_the_fused_layer_lowers_for_sm90():
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_fused_layer_lowers_for_sm90(recipe):
   """Forward + backward of DeepSeek-V3's layer shape lowered for Hopper: six Mosaic GPU GEMMs (x's
   rows gathered by the quantizer: no other custom call; the quantizers here are XLA's, whose Triton
   kernels lower above)."""
   S = jax.ShapeDtypeStruct
   experts, emb, ffn, tokens, top_k = 32, 7168, 2048, 1024, 8
-  ctx = MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=128)
+  ctx = MoEContext(num_experts=experts, top_k=top_k, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128)
 
   def loss(x, wi, wo, weights, ids):
     p = dispatch.plan(ids, experts, 128)
@@ -144,8 +201,8 @@ def test_the_local_exchange_takes_the_tokens_path_only_where_it_applies(monkeypa
           S((EXPERTS, EMB, 2 * FFN), jnp.bfloat16), S((EXPERTS, FFN, EMB), jnp.bfloat16))
   bias = S((EXPERTS, EMB), jnp.bfloat16)
 
-  def traced(recipe, fused, biases=(None, None, None)):
-    monkeypatch.setattr(mosaic_tokens, "FUSED", fused)
+  def traced(recipe, scalings, biases=(None, None, None)):
+    monkeypatch.setattr(mosaic_tokens, "SCALINGS", frozenset(scalings))
     calls.clear()
     ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic",
                      align=recipes.row_alignment(recipe, "mosaic"))
@@ -154,17 +211,21 @@ def test_the_local_exchange_takes_the_tokens_path_only_where_it_applies(monkeypa
     return len(calls)
 
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
-  assert traced(RECIPE, True) == 1
-  assert traced(RECIPE, False) == 0  # switched off: dispatch -> mosaic.mlp
-  assert traced("te_fp8_current", True) == 0
-  assert traced(RECIPE, True, (None, None, bias)) == 0  # row biases: mosaic.mlp
+  default = mosaic_tokens.DEFAULT_SCALINGS
+  assert traced(RECIPE, default) == 1
+  assert traced(RECIPE, ()) == 0  # switched off: dispatch -> mosaic.mlp
+  assert traced("te_fp8_current", default) == 0  # not measured on a GPU yet: selected by TEMOE_TOKENS_MLP
+  assert traced("te_fp8_current", ("blockwise", "current")) == 1
+  assert traced("te_no_quant", ("blockwise", "current")) == 0
+  assert traced(RECIPE, default, (None, None, bias)) == 0  # row biases: mosaic.mlp
 
 
-def test_maxtexts_remat_names_reach_the_policy(monkeypatch, capsys):
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_maxtexts_remat_names_reach_the_policy(recipe, monkeypatch, capsys):
   """moe_mlpwo is inside _down_combine's forward, moe_mlpwi_0/1 on _gate_up's output: a policy saving
   two of the names saves exactly those two (and nothing else of the layer's own)."""
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
-  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic", align=128)
+  ctx = MoEContext(num_experts=EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=128)
   p = dispatch.plan(jnp.zeros((TOKENS, TOP_K), jnp.int32).at[:, 1].set(2), EXPERTS, 128)
 
   def layer(x, wi, wo, weights):

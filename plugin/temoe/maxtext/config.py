@@ -10,6 +10,7 @@ checks for te_moe_block=true run right after it: before anything compiles.
 from __future__ import annotations
 
 import functools
+import os
 import typing
 from typing import Any
 
@@ -131,6 +132,9 @@ def _validate_temoe(model, types) -> None:
   backend = recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
                                     recipes.model_shape(model))
   place_fp8_weights(model, backend)
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  mosaic_tokens.scalings_of(os.environ.get(mosaic_tokens.ENV))  # a bad TEMOE_TOKENS_MLP: refused here
 
 
 def place_fp8_weights(model, backend: str) -> None:

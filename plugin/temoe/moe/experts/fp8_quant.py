@@ -17,6 +17,10 @@ The weights' copies are made once in the forward; the backward's dgrad reads w_q
 `cast_experts` makes again from the forward's scales (kept by the remat policy: parts.FP8_SCALES) in one
 pass, no amax and no transposed copy, bit-identical to the forward's.
 
+`quantize_gathered` is `quantize_rows` of the buffer dispatch would write (x's rows; or dy's, the tokens'
+gradient times each slot's routing weight) without writing it: the amax from the tokens' rows, then one
+kernel that gathers as it casts (mosaic_tokens; a Triton kernel on a GPU, XLA's gather and cast elsewhere).
+
 Scales are per expert (current scaling: amax on device every call). Groups are padded to 128-row
 tiles, so each tile of the expert-sorted buffer belongs to one expert (the table the forward kernel
 reads anyway) and an expert's amax is the max over its tiles' amaxes: one dense reduction per tile
@@ -72,8 +76,13 @@ def expert_amax(x: jax.Array, tile_expert: jax.Array, num_groups: int) -> jax.Ar
   NaN amax (group_scales then falls back to 1 and the NaN reaches the output, as it should).
   """
   rows, d = x.shape
-  tiles = rows // TILE_ROWS
-  tile_max = jnp.max(jnp.abs(x.reshape(tiles, TILE_ROWS, d)), axis=(1, 2)).astype(jnp.float32)
+  tile_max = jnp.max(jnp.abs(x.reshape(rows // TILE_ROWS, TILE_ROWS, d)), axis=(1, 2))
+  return _experts_of_tiles_amax(tile_max, tile_expert, num_groups)
+
+
+def _experts_of_tiles_amax(tile_max: jax.Array, tile_expert: jax.Array, num_groups: int) -> jax.Array:
+  """expert_amax from each 128-row tile's amax (tiles,): the max over each expert's tiles."""
+  tile_max = tile_max.astype(jnp.float32)
   mine = tile_expert[None, :] == jnp.arange(num_groups, dtype=jnp.int32)[:, None]
   return jnp.max(jnp.where(mine, tile_max[None, :], 0.0), axis=1)
 
@@ -172,6 +181,81 @@ def quantize_rows(x: jax.Array, tile_expert: jax.Array, num_groups: int, dtype, 
   tile_scale = jnp.where(tile_expert >= 0, s[jnp.maximum(tile_expert, 0)], 1.0)
   q, qt = cast_transpose(x[None], jnp.repeat(tile_scale, TILE_ROWS)[None], dtype, impl)
   return q[0], qt[0], s
+
+
+def gather_rows(src: jax.Array, index: jax.Array, weight: jax.Array | None = None) -> jax.Array:
+  """The buffer `quantize_gathered` quantizes: row r is src[index[r]], 0 where index[r] is src's row
+  count (a padding slot); times weight[r] in fp32 where weights are given."""
+  tokens = src.shape[0]
+  real = index < tokens
+  rows = jnp.where(real[:, None], src[jnp.where(real, index, 0)], jnp.zeros((), src.dtype))
+  return rows if weight is None else rows.astype(jnp.float32) * weight.astype(jnp.float32)[:, None]
+
+
+def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, num_groups: int, dtype,
+                      weight: jax.Array | None = None, impl: str | None = None):
+  """quantize_rows of the expert-sorted buffer gather_rows(src, index, weight), without writing it: the
+  dispatch gather (x's rows from the tokens) and the combine's backward (each slot's dy, its token's
+  gradient times its routing weight, rounded once: to `dtype`) fused into the cast.
+
+  src (tokens, d); index (rows,) int, rows a multiple of 128, `tokens` for padding slots; weight (rows,).
+  Each expert's amax comes from the tokens' row amaxes (one read of src, rows / top_k of the buffer's),
+  gathered per slot and times |weight|: the same value as the buffer's amax, since |a * w| rounds
+  monotonically, so max |src[t] * w| = max |src[t]| * |w| in floating point as well. Returns
+  (q (rows, d), q^T (d, rows), scales (G,)), bit-equal to quantize_rows of the buffer."""
+  tokens = src.shape[0]
+  real = index < tokens
+  slot_amax = jnp.where(real, jnp.max(jnp.abs(src), axis=1).astype(jnp.float32)[jnp.where(real, index, 0)], 0.0)
+  if weight is not None:
+    slot_amax = slot_amax * jnp.abs(weight.astype(jnp.float32))
+  s = group_scales(_experts_of_tiles_amax(jnp.max(slot_amax.reshape(-1, TILE_ROWS), axis=1), tile_expert, num_groups),
+                   dtype)
+  row_scale = jnp.repeat(jnp.where(tile_expert >= 0, s[jnp.maximum(tile_expert, 0)], 1.0), TILE_ROWS)
+  shape = (1, index.shape[0], src.shape[1])
+  block = block_for(shape)
+  if resolve(impl, shape, block) == "xla":
+    q, qt = _cast_transpose_xla(gather_rows(src, index, weight), row_scale, dtype)
+  else:
+    q, qt = _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block)
+  return q, qt, s
+
+
+def _cast_transpose_gathered_kernel(index_ref, *refs, tokens, weighted, dtype, block_cols):
+  """_cast_transpose_kernel on the tile of rows src[index] (x weight, fp32): the gather reads as it casts."""
+  weight_ref, refs = (refs[0], refs[1:]) if weighted else (None, refs)
+  s_ref, src_ref, q_ref, qt_ref = refs
+  index = index_ref[...]
+  real = index < tokens  # index == tokens: a padding slot, zero
+  v = src_ref[jnp.where(real, index, 0), pl.ds(pl.program_id(1) * block_cols, block_cols)]  # padding reads row 0
+  v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0)
+  if weighted:
+    v = v * weight_ref[...].astype(jnp.float32)[:, None]
+  v = v * s_ref[...][:, None]
+  fmax = FMAX[jnp.dtype(dtype)]
+  v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
+  q_ref[...] = v.astype(dtype)
+  qt_ref[...] = v.T.astype(dtype)
+
+
+def _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block):
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+  tokens, c = src.shape
+  r = index.shape[0]
+  br, bc, warps = (*block, 4)[:3]
+  weighted = weight is not None
+  rows = pl.BlockSpec((br,), lambda i, j: (i,))
+  return pl.pallas_call(
+      functools.partial(_cast_transpose_gathered_kernel, tokens=tokens, weighted=weighted, dtype=jnp.dtype(dtype),
+                        block_cols=bc),
+      grid=(r // br, c // bc),
+      in_specs=[rows] + [rows] * weighted + [rows, pl.BlockSpec(memory_space=pl.ANY)],  # src: read by index
+      out_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)), pl.BlockSpec((bc, br), lambda i, j: (j, i))],
+      out_shape=[jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype)],
+      compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
+      interpret=INTERPRET,
+      name="temoe_fp8_cast_transpose_gathered",
+  )(index.astype(jnp.int32), *([weight.astype(jnp.float32)] if weighted else []), row_scale.astype(jnp.float32), src)
 
 
 def quantize_experts(w: jax.Array, dtype, impl: str | None = None):

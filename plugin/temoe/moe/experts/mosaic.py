@@ -7,8 +7,8 @@ custom VJP (dgrad and wgrad kernels). `te_fp8_current` runs them in FP8 with per
 scaling (E4M3 forward, E5M2 gradients), `te_fp8_blockwise` in FP8 with DeepSeek-V3's block scales
 (`fp8_block`), `te_no_quant` in bf16. Groups are padded to the kernels'
 128-row tiles by dispatch (the recipe registry's alignment). `tokens_mlp` offers the local exchange
-the blockwise recipe's MLP from tokens, with dispatch and combine fused into its quantizers
-(`mosaic_tokens`).
+an FP8 recipe's MLP from tokens, with dispatch and combine fused into its quantizers (`mosaic_tokens`,
+for the scalings its SCALINGS names).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def mlp(
 
 
 def tokens_mlp(ctx, wi: jax.Array, wo: jax.Array, biases):
-  """For the local exchange: the blockwise recipe's MLP from tokens (`mosaic_tokens`, where it applies), else None."""
+  """For the local exchange: the FP8 recipe's MLP from tokens (`mosaic_tokens`, where it applies), else None."""
   from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
 
   if not mosaic_tokens.applies(ctx, biases):

@@ -852,26 +852,12 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp
   # empty arrays that carry x's and w's dtypes and true dims to the backward (the FP8 copies may be padded)
   protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
   if scaling == "current":
-    # Each FP8 operand is cast once into both layouts: x_q for the forward, x_q^T (tokens
-    # contiguous) kept for wgrad; w_q^T (G, N, K) for the forward, w_q as stored for dgrad.
+    # x cast once into both layouts: x_q for the forward, x_q^T (tokens contiguous) kept for wgrad.
     # The copies are padded in K and N only where those are not whole 64-element k-blocks (copy_dim).
-    kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
-    xp, wp = pad_to(x, (mp, kc)), pad_to(w, (w.shape[0], kc, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
-    # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
-    xq, xqt, sx = fp8_quant.quantize_rows(xp, tiles, w.shape[0], E4M3, quant)
-    (xq, xqt, sx) = parts.tag_quantized(xq, xqt, sx)
-    sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp), E4M3))
-    wq, wqt = fp8_quant.cast_transpose(wp, jnp.broadcast_to(sw[:, None], wp.shape[:2]), E4M3, quant)
-    if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
-      wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
-      w_res = wq
-    else:  # the backward casts w again from the saved scales: one pass, no amax, no transposed copy
-      (wqt,) = parts.tag_quantized(wqt)
-      w_res = w
-    y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms,
-                           n_out=out_dim(n, nc, out_dtype))
-    res = (xqt, sx, w_res, sw, group_sizes, *protos)
+    xq3 = fp8_quant.quantize_rows(pad_to(x, (mp, copy_dim(k, scaling))), tiles, w.shape[0], E4M3, quant)
+    y, fp8_res = current_forward(xq3, w, group_sizes, out_dtype, configs, sms, quant, keep_fp8_weights)
+    res = (*fp8_res, group_sizes, *protos)
   elif scaling == "blockwise":
     # x: 1 x 128 blocks for the forward and 128 x 1 blocks of x^T kept for wgrad, from one read;
     # w: both FP8 layouts and one set of 128 x 128 scales (a square block is the same in w^T).
@@ -892,16 +878,10 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, keep_fp8_weights, res, dy)
   _, k, n = w_proto.shape
   mp = xs.shape[0] if scaling == "none" else xs.shape[1]  # FP8 residuals: x^T (Kc, Mp), w (G, Kc, Nc)
   if scaling == "current":
-    kc, nc = copy_dim(k, scaling), copy_dim(n, scaling)
-    if not keep_fp8_weights:  # the residual is w itself: w_q again, from the forward's (kept) scales
-      wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3)
-    dyp = pad_to(dy, (mp, nc))
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
-    dyq, dyqt, sdy = fp8_quant.quantize_rows(dyp, tiles, wq.shape[0], E5M2, quant)
-    dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_proto.dtype, config=configs.dgrad,
-                            sms=sms, n_out=out_dim(k, kc, x_proto.dtype))
-    dw = ragged_contract_matmul(xs, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_proto.dtype, config=configs.wgrad,
-                                sms=sms, out_dims=(k, out_dim(n, nc, w_proto.dtype)))
+    dyq3 = fp8_quant.quantize_rows(pad_to(dy, (mp, copy_dim(n, scaling))), tiles, group_sizes.shape[0], E5M2, quant)
+    dx, dw = current_backward((xs, sx, wq, sw), dyq3, group_sizes, x_proto.dtype, w_proto.dtype, configs, sms, k, n,
+                              keep_fp8_weights)
   elif scaling == "blockwise":
     dyq4 = fp8_block.quantize_both(pad_to(dy, (mp, wq.shape[2])), impl=quant)
     dx, dw = blockwise_backward((xs, sx, wq, sw), dyq4, group_sizes, x_proto.dtype, w_proto.dtype, configs, sms, k, n)
@@ -916,6 +896,48 @@ def _gmm_bwd(scaling, out_dtype, configs, sms, quant, keep_fp8_weights, res, dy)
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
+
+
+def current_forward(xq3, w, group_sizes, out_dtype, configs: GemmConfigs, sms, quant, keep_fp8_weights: bool):
+  """The current-scaling forward GEMM from rows already quantized: `xq3` is fp8_quant.quantize_rows's
+  (x_q, x_q^T, per-expert scales) of x zero-padded to (whole tiles of rows, copy_dim of K) (or
+  quantize_gathered's, whose producer quantized them as it read). The weights are cast here, once into
+  both layouts (w_q^T for the forward, w_q as stored for dgrad). Returns (y (Mp, N) or (Mp, Nc): out_dim,
+  the residuals `current_backward` takes)."""
+  g, k, n = w.shape
+  kc, nc = copy_dim(k, "current"), copy_dim(n, "current")
+  wp = pad_to(w, (g, kc, nc))
+  # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
+  xq, xqt, sx = parts.tag_quantized(*xq3)
+  sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp), E4M3))
+  wq, wqt = fp8_quant.cast_transpose(wp, jnp.broadcast_to(sw[:, None], wp.shape[:2]), E4M3, quant)
+  if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
+    wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
+    w_res = wq
+  else:  # the backward casts w again from the saved scales: one pass, no amax, no transposed copy
+    (wqt,) = parts.tag_quantized(wqt)
+    w_res = w
+  y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms,
+                         n_out=out_dim(n, nc, out_dtype))
+  return y, (xqt, sx, w_res, sw)
+
+
+def current_backward(res, dyq3, group_sizes, x_dtype, w_dtype, configs: GemmConfigs, sms, k: int, n: int,
+                     keep_fp8_weights: bool):
+  """(dx (Mp, K or Kc), dw (G, K, N or Nc)) of the current-scaling GEMM of true dims K, N from
+  `current_forward`'s residuals and the incoming gradient already quantized (dyq3 as xq3, E5M2, over
+  (Mp, copy_dim of N)). Without kept FP8 weights the residual is w itself: w_q again from the forward's
+  scales. An output dim that is not whole 128-byte rows comes back padded (out_dim), for the caller to slice."""
+  xqt, sx, wq, sw = res
+  dyq, dyqt, sdy = dyq3
+  kc, nc = copy_dim(k, "current"), copy_dim(n, "current")
+  if not keep_fp8_weights:
+    wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3)
+  dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_dtype, config=configs.dgrad,
+                          sms=sms, n_out=out_dim(k, kc, x_dtype))
+  dw = ragged_contract_matmul(xqt, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_dtype, config=configs.wgrad,
+                              sms=sms, out_dims=(k, out_dim(n, nc, w_dtype)))
+  return dx, dw
 
 
 def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms, quant):
