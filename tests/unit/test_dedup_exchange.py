@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from temoe.moe import block, exchange
+from temoe.moe import block, dispatch, exchange
 from temoe.moe.context import MoEContext
 from temoe.moe.exchange import dedup, dedup_plan, padded, ragged
 from temoe.moe.exchange import plan as exchange_plan
+from temoe.moe.exchange.rowmaps import take
 
 TOL = 1e-5
 TOKENS, EMB, FFN = 12, 8, 4
@@ -68,14 +69,32 @@ def setup(devices, local, top_k, ids, seed=0):
   return x, w, wi, wo, cot
 
 
-def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, **kw):
-  """Loss, output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis."""
+def reference_tokens_mlp(ctx, wi, wo, calls):
+  """An expert kernel's MLP from rows (`tokens_mlp`: expansion, MLP and weighted sum in one call) as
+  plain JAX: the contract the deduplicating exchange hands its received rows to."""
+
+  def run(rows, p, weights, empty_choices=False):
+    calls.append(empty_choices)
+    width = weights.shape[1]
+    buf = take(rows, p.choice_of_slot // width)  # padding slots: zero rows
+    y = block.expert_mlp(ctx, buf, p, wi, wo, (None, None, None))
+    per_choice = take(y, p.slot_of_choice) if empty_choices else y[p.slot_of_choice]
+    return dispatch.weighted_sum(per_choice.reshape(rows.shape[0], width, -1), weights, ctx.float32_weight_sum)
+
+  return run
+
+
+def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, **kw):
+  """Loss, output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis
+  (with `tokens_calls` a list: through reference_tokens_mlp, recording its calls there)."""
   x, w, wi, wo, cot = args
   ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
                    buffer_factor=factor, align=align)
 
   def per_device(x, ids, w, wi, wo):
     mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))
+    if tokens_calls is not None:
+      kw["tokens_mlp"] = reference_tokens_mlp(ctx, wi, wo, tokens_calls)
     return strategy.run(ctx, x, ids, w, mlp, **kw)
 
   def loss(x, w, wi, wo):
@@ -222,6 +241,22 @@ def test_ragged_transport_uses_the_same_plan(monkeypatch, factor, align):
   assert_close((out, grads), one_device(devices, local, top_k, ids, args))
   assert not np.asarray(stats["overflow"]).any()
   assert (np.asarray(stats["padded"]) % align == 0).all()
+
+
+@pytest.mark.parametrize("align", [1, 4])
+def test_dedup_hands_its_received_rows_to_a_tokens_mlp(align):
+  """With an expert kernel's MLP from rows (mosaic_tokens on Hopper), the receiver hands it the received
+  rows, its expansion plan and the rows' weights (empty slots marked) in place of expansion -> MLP ->
+  weighted sum: the same output and gradients (the kernel itself: tests/unit/test_mosaic_tokens.py)."""
+  devices, local, top_k = 4, 4, 4
+  ids = routing(np.random.default_rng(13), devices, local, top_k, "grouped", 4, 2)
+  args = setup(devices, local, top_k, ids)
+  calls = []
+  out, stats, grads = ep_run(dedup, devices, local, top_k, ids, args, align=align, tokens_calls=calls)
+  want = ep_run(dedup, devices, local, top_k, ids, args, align=align)
+  assert calls and all(calls)  # called, with empty_choices=True
+  assert_close((out, grads), (want[0], want[2]))
+  np.testing.assert_array_equal(stats["real"], want[1]["real"])
 
 
 def test_auto_picks_dedup_where_it_sends_fewer_rows():

@@ -4,6 +4,7 @@ mosaic.mlp -> combine) and a float32 layer, on CPU in Pallas' GPU interpret mode
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from temoe import recipes
-from temoe.moe import block, dispatch
+from temoe.moe import block, dispatch, exchange
 from temoe.moe.context import MoEContext
 from temoe.moe.experts import fp8_block, fp8_quant, mosaic, mosaic_gemm, mosaic_tokens, xla
 
@@ -96,6 +97,62 @@ def test_the_fused_gather_quantizes_what_dispatch_would_write(monkeypatch):
       for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tokens_mlp_on_received_rows_with_empty_slots(recipe, monkeypatch):
+  """The deduplicating exchange's receiver (`dedup`: rows with `slots` metadata slots, some empty, and a
+  plan_expansion plan): mosaic_tokens.mlp(empty_choices=True) against its expansion -> mosaic.mlp ->
+  weighted sum, the same recipe: the forward to the bit, gradients as close to float32; empty slots
+  read zero rows and give their weights no gradient."""
+  from temoe.moe.exchange import dedup_plan  # pylint: disable=import-outside-toplevel
+  from temoe.moe.exchange.rowmaps import fan_out  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)
+  rng = np.random.default_rng(3)
+  rows, width, local = 136, 2, EXPERTS
+  ids = np.zeros((rows, width), np.int64)  # local expert + 1; 0: an empty slot
+  ids[:128, 0] = 3  # local expert 2: exactly one full 128-row tile, the buffer's last rows
+  ids[:, 1] = rng.integers(0, 2, rows)  # local expert 0 or empty; local expert 1 empty
+  ids[rows - 8:] = 0  # rows no one sent (the receive buffer's tail)
+  ids = jnp.asarray(ids, jnp.int32)
+  align = recipes.row_alignment(recipe, "mosaic")
+  buffer = mosaic_gemm.tile_rows(int((np.asarray(ids) == 1).sum())) + 128  # no spare row: the last one is real
+  gp = dedup_plan.plan_expansion(ids, local, align, buffer)
+  assert (np.asarray(gp.slot_of_choice) == buffer).any() and int(gp.choice_of_slot[-1]) < rows * width
+  keys = jax.random.split(jax.random.key(1), 5)
+  x = jax.random.normal(keys[0], (rows, EMB)).astype(jnp.bfloat16)
+  wi = (jax.random.normal(keys[1], (local, EMB, 2 * FFN)) * EMB**-0.5).astype(jnp.bfloat16)
+  wo = (jax.random.normal(keys[2], (local, FFN, EMB)) * FFN**-0.5).astype(jnp.bfloat16)
+  weights = jnp.where(ids > 0, jax.nn.softmax(jax.random.normal(keys[3], (rows, width)), axis=-1), 0.0)
+  cot = jax.random.normal(keys[4], (rows, EMB))
+  ctx = MoEContext(num_experts=local, top_k=width, dtype=jnp.bfloat16, recipe=recipe, kernel="mosaic", align=align)
+  none = (None, None, None)
+
+  def unfused(x, wi, wo, weights, c=ctx, mlp=mosaic.mlp):  # dedup.run's expansion, MLP and weighted sum
+    buf = fan_out(x, gp.choice_of_slot // width, gp.slot_of_choice.reshape(rows, width))
+    y = mlp(c, buf, gp, wi, wo, none, None)
+    per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(rows, width, -1)
+    return dispatch.weighted_sum(per_pair, weights)
+
+  def grads(fn, *args):
+    out, vjp = jax.vjp(fn, *args)
+    return (out, *vjp(cot.astype(out.dtype)))
+
+  with plgpu.force_gpu_interpret_mode():
+    got = grads(lambda *a: mosaic_tokens.mlp(ctx, a[0], gp, a[3], a[1], a[2], empty_choices=True), x, wi, wo, weights)
+    same = grads(unfused, x, wi, wo, weights)
+  f32 = MoEContext(num_experts=local, top_k=width, dtype=jnp.float32)
+  ref = grads(lambda *a: unfused(*a, c=f32, mlp=xla.mlp), *(a.astype(jnp.float32) for a in (x, wi, wo, weights)))
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(same[0], np.float32))
+  fwd_bound, grad_bound = recipes.REGISTRY[recipe].error_bound
+  for name, g, s, r in zip(("out", "dx", "dwi", "dwo", "dweights"), got, same, ref):
+    assert g.shape == s.shape and g.dtype == s.dtype, name
+    assert rel(g, r) < (fwd_bound if name == "out" else grad_bound) and rel(g, r) < 1.05 * rel(s, r) + 1e-3, (
+        name, rel(g, r), rel(s, r))
+  empty = np.asarray(ids) == 0
+  assert not np.asarray(got[4])[empty].any() and not np.asarray(got[1], np.float32)[rows - 8:].any()
+  assert not np.asarray(got[2], np.float32)[1].any() and not np.asarray(got[3], np.float32)[1].any()
 
 
 @pytest.mark.parametrize("impl", ["xla", "triton"])
@@ -218,6 +275,30 @@ def test_the_local_exchange_takes_the_tokens_path_only_where_it_applies(monkeypa
   assert traced("te_fp8_current", ("blockwise", "current")) == 1
   assert traced("te_no_quant", ("blockwise", "current")) == 0
   assert traced(RECIPE, default, (None, None, bias)) == 0  # row biases: mosaic.mlp
+
+
+def test_the_deduplicating_exchange_takes_the_tokens_path_too(monkeypatch):
+  """Under expert parallelism with the deduplicating exchange, the block hands each receiver's rows to the
+  kernel's MLP from tokens (marking empty slots); the row-per-pair exchanges keep the buffer path."""
+  calls = []
+
+  def recorder(ctx, x, p, weights, wi, wo, **layout):  # which path the block takes; the math: tests above
+    calls.append(layout)
+    return jnp.zeros_like(x, ctx.dtype) * wo[0, 0, 0]  # (rows, emb), batched like x under vmap
+
+  monkeypatch.setattr(mosaic_tokens, "mlp", recorder)
+  monkeypatch.setattr(block, "expert_mlp", lambda ctx, x, p, wi, wo, biases: calls.append("buffer") or jnp.zeros_like(x))
+  S = jax.ShapeDtypeStruct
+  devices = 2
+  args = (S((devices, 48, EMB), jnp.bfloat16), S((devices, 48, TOP_K), jnp.int32), S((devices, 48, TOP_K), jnp.float32),
+          S((devices, EXPERTS, EMB, 2 * FFN), jnp.bfloat16), S((devices, EXPERTS, FFN, EMB), jnp.bfloat16))
+  for name, taken in (("dedup", [{"empty_choices": True}]), ("padded", ["buffer"])):
+    calls.clear()
+    ctx = MoEContext(num_experts=devices * EXPERTS, top_k=TOP_K, dtype=jnp.bfloat16, recipe=RECIPE, kernel="mosaic",
+                     align=128, ep_axis="ep", ep_size=devices)
+    per_device = functools.partial(block._per_device, ctx, exchange.strategy(name))  # pylint: disable=protected-access
+    out, _ = jax.eval_shape(jax.vmap(lambda *a: per_device(*a, None, None, None), axis_name="ep"), *args)
+    assert out.shape == (devices, 48, EMB) and calls == taken, (name, calls)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -42,7 +42,7 @@ def _per_device(ctx: MoEContext, strategy, x, expert_ids, weights, wi, wo, *bias
   shape = x.shape
   top_k = expert_ids.shape[-1]
   mlp = functools.partial(expert_mlp, ctx, wi=wi, wo=wo, biases=biases)
-  fused = tokens_mlp(ctx, wi, wo, biases) if strategy is exchange.strategy("local") else None
+  fused = tokens_mlp(ctx, wi, wo, biases) if strategy in (exchange.strategy(n) for n in exchange.TOKENS_MLP) else None
   out, stats = strategy.run(
       ctx, x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k), mlp,
       **({"tokens_mlp": fused} if fused else {})

@@ -11,7 +11,9 @@ A strategy is `run(ctx, x, expert_ids, weights, mlp) -> (out, stats)` on one dev
 `shard_map`: x (tokens, emb), expert_ids / weights (tokens, top_k), `mlp(buffer, plan) -> buffer`
 the expert MLP on this device's local experts. `stats` holds (1,) int32/bool arrays: `received`
 ((token, expert) pairs routed to this device before any capacity cut: its rows, but for dedup), `capacity`, `overflow`, and `padded` /
-`real` (rows at the expert GEMMs with and without alignment padding).
+`real` (rows at the expert GEMMs with and without alignment padding). The TOKENS_MLP strategies also
+take `tokens_mlp(rows, plan, weights, **layout) -> out`, the expert kernel's MLP from rows with the
+gather and the weighted sum fused into it, in place of dispatch -> mlp -> combine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ import math
 
 STRATEGIES = ("local", "ragged", "padded", "dedup")
 """The exchange strategies; `auto` resolves to one of them (`resolve`)."""
+
+TOKENS_MLP = ("local", "dedup")
+"""The strategies that take an expert kernel's MLP from tokens (`run(..., tokens_mlp=)`): where rows reach
+the experts by one local gather (of the tokens, or of the received rows), which the kernel's quantizer
+can do as it reads."""
 
 CHOICES = ("auto", "ragged", "padded", "dedup")
 """What a run may ask for (MaxText's `te_moe_exchange`); one device, or no expert axis, is `local`."""

@@ -7,6 +7,10 @@ sums its tokens' rows over ranks. The rows move over the row-per-pair exchange's
 this plan: `jax.lax.ragged_all_to_all` on GPUs (`ragged`), a padded `all_to_all` on XLA:CPU
 (`padded`). Every local step is a gather whose gradient is the reverse gather (`rowmaps`).
 
+Where the expert kernel offers an MLP from rows (temoe's Hopper kernels with an FP8 recipe that
+`mosaic_tokens` takes), the receiver hands it the received rows and their expansion plan instead: its
+quantizer reads the rows as it quantizes, and no expert-sorted bf16 copy of them is written.
+
 Each rank's weighted sum travels back in the expert MLP's dtype (one rounding of a partial sum of
 at most `slots` terms); the sum over ranks is float32.
 """
@@ -33,7 +37,10 @@ def receive_rows(moves: types.ModuleType, capacity: int, rows: int, devices: int
   return min(capacity, rows * devices) if moves is ragged else rows * devices
 
 
-def run(ctx, x, expert_ids, weights, mlp, moves: types.ModuleType | None = None):
+def run(ctx, x, expert_ids, weights, mlp, moves: types.ModuleType | None = None, tokens_mlp=None):
+  """`tokens_mlp(rows, plan, weights, empty_choices=True) -> partial`, when the expert kernel offers one,
+  replaces the receiver's expansion -> mlp -> weighted sum: its quantizer reads the received rows as it
+  quantizes (no expert-sorted bf16 buffer) and its combine gives each row's weighted sum."""
   moves = moves or transport(jax.devices()[0].platform)
   tokens, top_k = expert_ids.shape
   devices, local = ctx.ep_size, ctx.local_experts
@@ -49,14 +56,18 @@ def run(ctx, x, expert_ids, weights, mlp, moves: types.ModuleType | None = None)
     received = recv.shape[0]
     buffer = dedup_plan.gemm_rows(capacity, received, width, local, ctx.align)
     gp = dedup_plan.plan_expansion(recv_ids, local, ctx.align, buffer)
-    buf = fan_out(recv, gp.choice_of_slot // width, gp.slot_of_choice.reshape(received, width))
+    buf = None if tokens_mlp else fan_out(recv, gp.choice_of_slot // width, gp.slot_of_choice.reshape(received, width))
   with jax.named_scope("temoe_experts"):
-    y = mlp(buf, gp)
+    if tokens_mlp:
+      partial = tokens_mlp(recv, gp, recv_w, empty_choices=True).astype(ctx.dtype)
+    else:
+      y = mlp(buf, gp)
   with jax.named_scope("temoe_combine"):
-    per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(received, width, -1)
-    if ctx.float32_weight_sum:
-      per_pair, recv_w = per_pair.astype(jnp.float32), recv_w.astype(jnp.float32)
-    partial = jnp.sum(per_pair * recv_w[..., None].astype(per_pair.dtype), axis=1).astype(y.dtype)
+    if not tokens_mlp:
+      per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(received, width, -1)
+      if ctx.float32_weight_sum:
+        per_pair, recv_w = per_pair.astype(jnp.float32), recv_w.astype(jnp.float32)
+      partial = jnp.sum(per_pair * recv_w[..., None].astype(per_pair.dtype), axis=1).astype(y.dtype)
     back = moves.receive_back(partial, ex, rows, ctx.ep_axis, devices)
     out = fan_in(back, rp.row_of_token, rp.token_of_row)
   stats = {

@@ -41,9 +41,10 @@ def mlp(
 
 
 def tokens_mlp(ctx, wi: jax.Array, wo: jax.Array, biases):
-  """For the local exchange: the FP8 recipe's MLP from tokens (`mosaic_tokens`, where it applies), else None."""
+  """For the local and deduplicating exchanges: the FP8 recipe's MLP from tokens (`mosaic_tokens`, where it
+  applies), else None."""
   from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
 
   if not mosaic_tokens.applies(ctx, biases):
     return None
-  return lambda x, p, weights: mosaic_tokens.mlp(ctx, x, p, weights, wi, wo)
+  return lambda x, p, weights, **layout: mosaic_tokens.mlp(ctx, x, p, weights, wi, wo, **layout)

@@ -1,5 +1,8 @@
 """The FP8 recipes' expert MLP from one device's tokens to their combined outputs, on temoe's Hopper
-kernels, with the dispatch gather and the combine's backward fused into the quantizers.
+kernels, with the dispatch gather and the combine's backward fused into the quantizers. Under expert
+parallelism the deduplicating exchange (`temoe.moe.exchange.dedup`, `auto` where a rank holds several
+experts) hands it the rows it received instead, each with its slots for this rank's experts, some
+empty (`empty_choices`); the row-per-pair exchanges hand the experts a buffer.
 
 `mosaic.mlp` starts from the expert-sorted buffer: the dispatch gather writes x's rows in bf16 and
 the GEMM's quantizer reads them back (fp8_block: 1.33 ms each way for DeepSeek-V3's layer on the
@@ -68,10 +71,12 @@ def applies(ctx, biases) -> bool:
 
 
 def mlp(ctx, x: jax.Array, p: DispatchPlan, weights: jax.Array, wi: jax.Array, wo: jax.Array,
-        quant: str | None = None, sms: int | None = None) -> jax.Array:
+        quant: str | None = None, sms: int | None = None, empty_choices: bool = False) -> jax.Array:
   """(tokens, emb): dispatch -> gate/up -> activation -> down -> combine of x (tokens, emb) routed by
   `p` with `weights` (tokens, top_k); what `dispatch.combine` of `mosaic.mlp` of `dispatch.dispatch` gives,
-  up to dy's single rounding. quant / sms: as mosaic_gemm.grouped_matmul's."""
+  up to dy's single rounding. quant / sms: as mosaic_gemm.grouped_matmul's. empty_choices: some
+  choices have no buffer row (p.slot_of_choice == p.buffer_rows; the deduplicating exchange's empty
+  metadata slots, whose weights are 0): they read a zero row and give none a gradient."""
   dtype = jnp.dtype(ctx.dtype)
   top_k = weights.shape[1]
   scaling = recipes.REGISTRY[ctx.recipe].scaling
@@ -81,7 +86,7 @@ def mlp(ctx, x: jax.Array, p: DispatchPlan, weights: jax.Array, wi: jax.Array, w
   mosaic_gemm.check_shapes(wi.shape[1], wi.shape[2], scaling)
   mosaic_gemm.check_shapes(wo.shape[1], wo.shape[2], scaling)
   sizes = p.padded_group_sizes
-  gemm = (_Gemm(scaling, ctx.fp8_weights != "remat"), dtype, mosaic_gemm.GemmConfigs(), sms, quant)
+  gemm = (_Gemm(scaling, ctx.fp8_weights != "remat", empty_choices), dtype, mosaic_gemm.GemmConfigs(), sms, quant)
   h = _gate_up(x.astype(dtype), wi.astype(dtype), sizes, p.choice_of_slot, p.slot_of_choice, top_k, *gemm)
   w0, w1 = parts.tag_up(*parts.split_gate_up(h))
   return _down_combine(ctx.activation(w0, w1).astype(dtype), wo.astype(dtype), weights, sizes, p.choice_of_slot,
@@ -89,10 +94,16 @@ def mlp(ctx, x: jax.Array, p: DispatchPlan, weights: jax.Array, wi: jax.Array, w
 
 
 class _Gemm(NamedTuple):
-  """Which recipe the GEMMs run (a custom_vjp static argument)."""
+  """Which recipe the GEMMs run, and how choices map to buffer rows (a custom_vjp static argument)."""
 
   scaling: str
   keep_fp8_weights: bool  # current scaling: the backward reads the forward's FP8 weights (te_moe_fp8_weights)
+  empty_choices: bool = False  # some choices have no buffer row (slot_of_choice == buffer rows)
+
+
+def _rows_of_choices(spec: _Gemm, y, slot_of_choice):
+  """y's row of each choice: a zero row for a choice with none (index len(y), spec.empty_choices)."""
+  return dispatch.take_with_zero_row(y, slot_of_choice) if spec.empty_choices else y[slot_of_choice]
 
 
 def _quantize_rows(spec: _Gemm, rows, sizes, grad: bool, quant):
@@ -169,7 +180,12 @@ def _gate_up_bwd(top_k, spec, out_dtype, configs, sms, quant, res, dy):
   dyq = _quantize_rows(spec, mosaic_gemm.pad_to(dy, (_rows_of(fp8_res), mosaic_gemm.copy_dim(n, spec.scaling))), sizes,
                        True, quant)
   dxb, dw = _backward(spec, fp8_res, dyq, sizes, x_proto.dtype, w_proto.dtype, configs, sms, k, n)
-  dx = dispatch.sum_choices(dxb[:, :k], slot_of_choice, slot_of_choice.shape[0] // top_k).astype(x_proto.dtype)
+  tokens = slot_of_choice.shape[0] // top_k
+  if spec.empty_choices:  # dispatch's transpose, reading a zero row for a choice with no buffer row
+    per_choice = _rows_of_choices(spec, dxb[:dy.shape[0], :k], slot_of_choice).reshape(tokens, top_k, k)
+    dx = per_choice.sum(axis=1, dtype=jnp.float32).astype(x_proto.dtype)
+  else:
+    dx = dispatch.sum_choices(dxb[:, :k], slot_of_choice, tokens).astype(x_proto.dtype)
   return dx, dw[:, :k, :n], None, None, None
 
 
@@ -195,7 +211,7 @@ def _down_combine_fwd(h, wo, weights, sizes, choice_of_slot, slot_of_choice, flo
   y, fp8_res = _forward(spec, hq, wo, sizes, out_dtype, configs, sms, quant)
   y = parts.tag_down(parts.separate(y[:rows, :n]))
   tokens, top_k = weights.shape
-  out = dispatch.weighted_sum(y[slot_of_choice].reshape(tokens, top_k, n), weights, float32_sum)
+  out = dispatch.weighted_sum(_rows_of_choices(spec, y, slot_of_choice).reshape(tokens, top_k, n), weights, float32_sum)
   protos = (jnp.zeros((0, f), h.dtype), jnp.zeros((0, f, n), wo.dtype))
   return out, (fp8_res, sizes, y, weights, choice_of_slot, slot_of_choice, *protos)
 
@@ -211,7 +227,7 @@ def _down_combine_bwd(float32_sum, spec, out_dtype, configs, sms, quant, res, g)
   dyq = _quantize_gathered(spec, mosaic_gemm.pad_to(g, (tokens, mosaic_gemm.copy_dim(n, spec.scaling))), index, sizes,
                            weight_of_slot, quant)
   dh, dwo = _backward(spec, fp8_res, dyq, sizes, h_proto.dtype, w_proto.dtype, configs, sms, f, n)
-  per_choice = y[slot_of_choice].reshape(tokens, top_k, n).astype(jnp.float32)  # a multiply-reduce: exact fp32
+  per_choice = _rows_of_choices(spec, y, slot_of_choice).reshape(tokens, top_k, n).astype(jnp.float32)  # exact fp32
   dweights = jnp.sum(per_choice * g.astype(jnp.float32)[:, None, :], axis=-1).astype(weights.dtype)
   return dh[:y.shape[0], :f], dwo[:, :f, :n], dweights, None, None, None
 
