@@ -172,16 +172,23 @@ def args_of(run: str, smoke: bool = False, measured_in: str | None = None) -> li
   return [config, *COMMON, *as_measured(measured_in), *overrides, *depth, *(SMOKE if smoke else [])]
 
 
+APPENDED = ("XLA_FLAGS",)
+"""Variables a path's extra environment adds to (flag lists); it sets any other, such as TEMOE_TOKENS_MLP."""
+PATH_OWNED = ("TEMOE_TOKENS_MLP",)
+"""temoe's switches that only a path's own environment sets: not inherited from the calling shell."""
+
+
 def environment(path: str) -> dict:
-  """The process environment `path` runs in: this one, plus the container profile or its extra flags."""
-  env = dict(os.environ)
+  """The process environment `path` runs in: this one (less PATH_OWNED), plus the container profile or
+  its extra variables."""
+  env = {k: v for k, v in os.environ.items() if k not in PATH_OWNED}
   extra = PATHS[path][2]
   if extra is True:
     from temoe.deploy import env as profile  # pylint: disable=import-outside-toplevel
 
     env.update(profile.environment("hopper", env))
   elif extra:
-    env.update({k: f"{env.get(k, '')} {v}".strip() for k, v in extra.items()})
+    env.update({k: f"{env.get(k, '')} {v}".strip() if k in APPENDED else v for k, v in extra.items()})
   return env
 
 

@@ -60,6 +60,14 @@ def policy_of(*overrides: str):
   return config, hbm_activations.remat_policy(config)
 
 
+def test_path_environments_add_to_flag_lists_and_own_temoes_switches(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_a=1")
+  monkeypatch.setenv("TEMOE_TOKENS_MLP", "none")  # the calling shell's: no path inherits it
+  tokens, shipped, graphs = (proxy_1gpu.environment(p) for p in ("temoe_fp8_tokens", "temoe_fp8", "temoe_fp8_graphs"))
+  assert tokens["TEMOE_TOKENS_MLP"] == "blockwise,current" and "TEMOE_TOKENS_MLP" not in shipped
+  assert graphs["XLA_FLAGS"].startswith("--xla_a=1 --xla_gpu_enable_command_buffer=") and tokens["XLA_FLAGS"] == "--xla_a=1"
+
+
 def test_save_moe_is_minimal_with_context_plus_the_moe_gemm_outputs():
   """One setting off: the variant keeps what the shipped policy keeps, and the three MoE names."""
   from temoe.tools.hbm_activations import placement  # pylint: disable=import-outside-toplevel

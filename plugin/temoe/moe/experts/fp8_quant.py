@@ -17,9 +17,10 @@ The weights' copies are made once in the forward; the backward's dgrad reads w_q
 `cast_experts` makes again from the forward's scales (kept by the remat policy: parts.FP8_SCALES) in one
 pass, no amax and no transposed copy, bit-identical to the forward's.
 
-`quantize_gathered` is `quantize_rows` of the buffer dispatch would write (x's rows; or dy's, the tokens'
-gradient times each slot's routing weight) without writing it: the amax from the tokens' rows, then one
-kernel that gathers as it casts (mosaic_tokens; a Triton kernel on a GPU, XLA's gather and cast elsewhere).
+`quantize_gathered` is `quantize_rows` of a buffer of gathered rows without writing it (mosaic_tokens): x's
+rows as dispatch would write them, or dy's, the tokens' gradient times each slot's routing weight in fp32
+(rounded once, to FP8, where the unfused combine's backward rounds it to bf16 first); the amax from the
+tokens' rows, then one kernel that gathers as it casts (Triton on a GPU, XLA's gather and cast elsewhere).
 
 Scales are per expert (current scaling: amax on device every call). Groups are padded to 128-row
 tiles, so each tile of the expert-sorted buffer belongs to one expert (the table the forward kernel
@@ -150,12 +151,14 @@ def block_for(shape: tuple[int, ...]):
   return next((b for b in NARROW_BLOCKS if shape[-2] % b[0] == 0), NARROW_BLOCKS[-1])
 
 
-def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None) -> str:
+def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None) -> str:
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
-  (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`."""
+  (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`.
+  elements: the largest array the kernel addresses (default: the shape's)."""
   tile = tuple((block or (block_for(shape) if shape else TRITON_BLOCK))[:2])
-  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile,
-                            math.prod(shape) if shape else 0)
+  if elements is None:
+    elements = math.prod(shape) if shape else 0
+  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile, elements)
 
 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
@@ -202,7 +205,8 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   Each expert's amax comes from the tokens' row amaxes (one read of src, rows / top_k of the buffer's),
   gathered per slot and times |weight|: the same value as the buffer's amax, since |a * w| rounds
   monotonically, so max |src[t] * w| = max |src[t]| * |w| in floating point as well. Returns
-  (q (rows, d), q^T (d, rows), scales (G,)), bit-equal to quantize_rows of the buffer."""
+  (q (rows, d), q^T (d, rows), scales (G,)), bit-equal to quantize_rows of the buffer (a NaN gives its
+  experts scale 1 here always; XLA:CPU's max over an fp32 buffer may skip it, its GPU max does not)."""
   tokens = src.shape[0]
   real = index < tokens
   slot_amax = jnp.where(real, jnp.max(jnp.abs(src), axis=1).astype(jnp.float32)[jnp.where(real, index, 0)], 0.0)
@@ -213,7 +217,7 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   row_scale = jnp.repeat(jnp.where(tile_expert >= 0, s[jnp.maximum(tile_expert, 0)], 1.0), TILE_ROWS)
   shape = (1, index.shape[0], src.shape[1])
   block = block_for(shape)
-  if resolve(impl, shape, block) == "xla":
+  if resolve(impl, shape, block, max(index.shape[0], src.shape[0]) * src.shape[1]) == "xla":  # src read by index too
     q, qt = _cast_transpose_xla(gather_rows(src, index, weight), row_scale, dtype)
   else:
     q, qt = _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block)

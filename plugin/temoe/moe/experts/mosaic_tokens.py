@@ -19,8 +19,9 @@ hands over the tokens instead, and two custom VJPs cross those boundaries:
   to bf16), and gives the weights their gradient from the saved expert outputs.
 
 MaxText's remat names stay where `parts.gated_mlp` puts them: moe_mlpwi_0/1 on the gate/up output,
-moe_mlpwo on the down output (inside `_down_combine`'s forward, behind `parts.separate` as there; a
-policy sees names there). The activation, its gradient's quantization (0.86 ms), h's (0.46 ms) and the
+moe_mlpwo on the down output (inside `_down_combine`'s forward; a policy sees names there). Current
+scaling's down output goes behind `parts.separate` as in `parts.gated_mlp`; blockwise's stays as it was
+measured (whether the barrier helps it too is not measured). The activation, its gradient's quantization (0.86 ms), h's (0.46 ms) and the
 weights' (2.5 ms) remain passes of their own. Which recipes take this path: `SCALINGS`. Blockwise by
 default: on the H200 DeepSeek-V3's layer fwd+bwd takes 26.9 ms this way against 27.9 ms through
 `mosaic.mlp`, with the same errors against float32 (bench/results/moe_layer.json, paths
@@ -65,7 +66,7 @@ SCALINGS = scalings_of(os.environ.get(ENV))  # the scalings whose layers take th
 
 
 def applies(ctx, biases) -> bool:
-  """Whether the local exchange hands this layer's tokens to `mlp` (else: buffer -> mosaic.mlp)."""
+  """Whether the local or deduplicating exchange hands this layer's rows to `mlp` (else: buffer -> mosaic.mlp)."""
   return (ctx.kernel == "mosaic" and recipes.REGISTRY[ctx.recipe].scaling in SCALINGS
           and all(b is None for b in biases))
 
@@ -103,7 +104,7 @@ class _Gemm(NamedTuple):
 
 def _rows_of_choices(spec: _Gemm, y, slot_of_choice):
   """y's row of each choice: a zero row for a choice with none (index len(y), spec.empty_choices)."""
-  return dispatch.take_with_zero_row(y, slot_of_choice) if spec.empty_choices else y[slot_of_choice]
+  return jnp.take(y, slot_of_choice, axis=0, mode="fill", fill_value=0) if spec.empty_choices else y[slot_of_choice]
 
 
 def _quantize_rows(spec: _Gemm, rows, sizes, grad: bool, quant):
@@ -209,7 +210,10 @@ def _down_combine_fwd(h, wo, weights, sizes, choice_of_slot, slot_of_choice, flo
   hq = _quantize_rows(spec, mosaic_gemm.pad_to(h, (mosaic_gemm.tile_rows(rows), mosaic_gemm.copy_dim(f, spec.scaling))),
                       sizes, False, quant)
   y, fp8_res = _forward(spec, hq, wo, sizes, out_dtype, configs, sms, quant)
-  y = parts.tag_down(parts.separate(y[:rows, :n]))
+  y = y[:rows, :n]
+  if spec.scaling == "current":  # as parts.gated_mlp has it for the shipped current-scaling path (measured there)
+    y = parts.separate(y)
+  y = parts.tag_down(y)
   tokens, top_k = weights.shape
   out = dispatch.weighted_sum(_rows_of_choices(spec, y, slot_of_choice).reshape(tokens, top_k, n), weights, float32_sum)
   protos = (jnp.zeros((0, f), h.dtype), jnp.zeros((0, f, n), wo.dtype))
