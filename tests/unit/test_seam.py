@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from importlib import metadata
 
 import pydantic
@@ -61,3 +62,19 @@ def test_missing_seam_is_named(monkeypatch):
   monkeypatch.delattr(max_utils, "maybe_bootstrap_te_moe")
   with pytest.raises(seams.TemoeSeamError, match="max_utils.maybe_bootstrap_te_moe"):
     seams.check_maxtext()
+
+
+def test_the_startup_line_names_the_kernels_recipe_and_a_set_tokens_switch(monkeypatch):
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  h200 = hardware.Platform("gpu", "NVIDIA H200", (9, 0), "2.20.2", None, (13, 4, 0))
+  monkeypatch.setattr(hardware, "detect", lambda: h200)
+  config = types.SimpleNamespace(te_moe_backend="auto", te_gmm_quantization="te_fp8_current", emb_dim=7168,
+                                 moe_mlp_dim=2048, dtype="bfloat16")
+  mesh = types.SimpleNamespace(devices=types.SimpleNamespace(size=8))
+  monkeypatch.delenv(mosaic_tokens.ENV, raising=False)
+  line = seams.describe_block(config, mesh)
+  assert "backend mosaic: temoe's Pallas Mosaic GPU kernels" in line and "recipe te_fp8_current, 8 device(s)" in line
+  monkeypatch.setenv(mosaic_tokens.ENV, "blockwise,current")
+  assert "recipe te_fp8_current, TEMOE_TOKENS_MLP=blockwise,current, 8 device(s)" in seams.describe_block(config, mesh)

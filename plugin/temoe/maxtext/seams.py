@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from importlib import metadata
 from typing import Any
@@ -151,9 +152,12 @@ def describe_block(config, mesh) -> str:
                                   recipes.model_shape(config))
   why = {"xla": f": reference backend, {plat.describe()}", "mosaic": ": temoe's Pallas Mosaic GPU kernels, sync-free",
          "te": ": Transformer Engine grouped GEMM"}[kernel]
+  switch = ""
+  if kernel == "mosaic" and os.environ.get("TEMOE_TOKENS_MLP") is not None:  # mosaic_tokens.ENV: a non-default path
+    switch = f", TEMOE_TOKENS_MLP={os.environ['TEMOE_TOKENS_MLP']}"
   return (
       f"temoe {__version__}: te_moe_block=true -> temoe MoE block, backend {kernel}{why}, "
-      f"recipe {config.te_gmm_quantization}, {mesh.devices.size} device(s), no NCCL-EP bootstrap."
+      f"recipe {config.te_gmm_quantization}{switch}, {mesh.devices.size} device(s), no NCCL-EP bootstrap."
   )
 
 
