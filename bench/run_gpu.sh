@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on a GPU host with TE 2.20 + MaxText 0.2.5 installed
 # (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, small, proxy,
-# calibrate (the step model's rates: bench/calibrate.py, into $out/calibration).
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [proxy [--paths a,b]]
+# calibrate (the step model's rates: bench/calibrate.py, into $out/calibration), tokens (current scaling's MLP
+# from tokens, TEMOE_TOKENS_MLP: its GPU tests and the layer against the shipped path; then run
+# `proxy --paths temoe_fp8,temoe_fp8_tokens,stock_best` for the marginal layer).
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
@@ -20,6 +22,10 @@ for i in "${!stages[@]}"; do
     layer) python3 bench/moe_layer.py --out "$out" || rc=1 ;;
     small) python3 bench/small_model.py --out "$out" --data learnable --steps 300 --profile || rc=1 ;;  # 4 paths + 2 profiles
     calibrate) python3 bench/calibrate.py --out "$out/calibration" || rc=1 ;;
+    tokens)
+      python3 -m pytest -q -rs -s tests/gpu/test_blockwise.py -k "gathered or tokens_mlp" 2>&1 | tee "$out/gpu_tests.tokens.log" || rc=1
+      python3 bench/moe_layer.py --out "$out" --iters 5 --no-per-gemm --errors --shapes dsv3,small_dsv3,gpt_oss_like \
+        --paths temoe_fp8,temoe_fp8_tokens,temoe_fp8_blockwise,tokamax_bf16 || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done
