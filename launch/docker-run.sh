@@ -33,21 +33,28 @@ image=$1
 shift
 restarts=0
 stopping=0
-pid=
-trap 'stopping=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
+state=$(mktemp -d "${TMPDIR:-/tmp}/temoe-docker-run.XXXXXX")  # docker's pid and exit status, per start
+trap 'stopping=1; [ ! -s "$state/pid" ] || kill -TERM "$(cat "$state/pid")" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
+trap 'rm -rf "$state"' EXIT
 while :; do
-  docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" &
-  pid=$!
-  # Wait without letting a trapped signal cut `wait "$pid"` short: bash 5.2 may then lose docker's status
-  # (a second wait returned -1, i.e. exit 255). Short sleeps take the signals; docker's own status is
-  # collected once it has exited.
-  while kill -0 "$pid" 2>/dev/null; do
+  rm -f "$state/pid" "$state/status"
+  # docker runs in the foreground of a subshell that outlives the stop signals (a no-op trap, which exec resets
+  # for docker) and writes docker's exit status to a file: a background child's status can be lost by bash's
+  # `wait` when a trap cuts in (exit 255 instead of 75, a few runs in a hundred under load), a foreground one's not.
+  (
+    trap : TERM INT
+    code=0
+    sh -c 'echo $$ > "$0"; exec "$@"' "$state/pid" \
+      docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" || code=$?
+    echo "$code" > "$state/status"
+  ) &
+  runner=$!
+  while kill -0 "$runner" 2>/dev/null; do  # short sleeps take the signals
     sleep 1 &
     wait $! || true
   done
-  status=0
-  wait "$pid" || status=$?
-  pid=
+  wait "$runner" 2>/dev/null || true
+  status=$(cat "$state/status" 2>/dev/null || echo 1)
   if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ] || [ "$restarts" -ge "$max_restarts" ]; then
     exit "$status"
   fi
