@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import re
 import shlex
 import shutil
 import signal
@@ -237,14 +236,6 @@ def test_docker_run_sh_survives_its_signal_trap_when_docker_is_already_gone():
             "echo after-the-trap $stopping\n")
     proc = subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0 and proc.stdout.strip() == "after-the-trap 1", proc
-
-
-def test_docker_run_sh_takes_dockers_status_from_its_foreground_run():
-  """A background child's exit status can be lost by bash's `wait` when a trap cuts in (exit 255 instead
-  of 75 under load): the script runs docker in the foreground of a subshell that records its status."""
-  script = (ROOT / "launch" / "docker-run.sh").read_text()
-  assert 'docker run --rm' in script and "|| code=$?" in script and 'echo "$code" > "$state/status"' in script
-  assert not re.search(r"^\s*docker run .*&\s*$", script, re.M)  # docker itself is never a background job
 
 
 def test_launchers_render_from_the_top_level_launch_folder():

@@ -175,7 +175,7 @@ def test_the_current_gathered_quantizer_is_quantize_rows_of_what_dispatch_would_
     index = mosaic_tokens._slot_tokens(p.choice_of_slot, TOP_K, TOKENS, p.buffer_rows)  # pylint: disable=protected-access
     slot_weights = mosaic_tokens._slot_weights(p.choice_of_slot, weights, p.buffer_rows)  # pylint: disable=protected-access
     buffer = dispatch.dispatch(x, p, TOP_K)
-    np.testing.assert_array_equal(np.asarray(fp8_quant.gather_rows(x, index), np.float32),
+    np.testing.assert_array_equal(np.asarray(fp8_block.gather_rows(x, index), np.float32),
                                   np.asarray(buffer, np.float32))
     for weight, rows, dtype in ((None, buffer, fp8_quant.E4M3),
                                 (slot_weights, buffer.astype(jnp.float32) * slot_weights[:, None], fp8_quant.E5M2)):

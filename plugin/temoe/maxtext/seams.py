@@ -153,8 +153,11 @@ def describe_block(config, mesh) -> str:
   why = {"xla": f": reference backend, {plat.describe()}", "mosaic": ": temoe's Pallas Mosaic GPU kernels, sync-free",
          "te": ": Transformer Engine grouped GEMM"}[kernel]
   switch = ""
-  if kernel == "mosaic" and os.environ.get("TEMOE_TOKENS_MLP") is not None:  # mosaic_tokens.ENV: a non-default path
-    switch = f", TEMOE_TOKENS_MLP={os.environ['TEMOE_TOKENS_MLP']}"
+  if kernel == "mosaic":
+    from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+    if os.environ.get(mosaic_tokens.ENV) is not None:  # a non-default path
+      switch = f", {mosaic_tokens.ENV}={os.environ[mosaic_tokens.ENV]}"
   return (
       f"temoe {__version__}: te_moe_block=true -> temoe MoE block, backend {kernel}{why}, "
       f"recipe {config.te_gmm_quantization}{switch}, {mesh.devices.size} device(s), no NCCL-EP bootstrap."

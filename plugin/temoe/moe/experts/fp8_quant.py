@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from temoe.moe.experts import quantizers
+from temoe.moe.experts import fp8_block, quantizers
 
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
@@ -186,18 +186,9 @@ def quantize_rows(x: jax.Array, tile_expert: jax.Array, num_groups: int, dtype, 
   return q[0], qt[0], s
 
 
-def gather_rows(src: jax.Array, index: jax.Array, weight: jax.Array | None = None) -> jax.Array:
-  """The buffer `quantize_gathered` quantizes: row r is src[index[r]], 0 where index[r] is src's row
-  count (a padding slot); times weight[r] in fp32 where weights are given."""
-  tokens = src.shape[0]
-  real = index < tokens
-  rows = jnp.where(real[:, None], src[jnp.where(real, index, 0)], jnp.zeros((), src.dtype))
-  return rows if weight is None else rows.astype(jnp.float32) * weight.astype(jnp.float32)[:, None]
-
-
 def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, num_groups: int, dtype,
                       weight: jax.Array | None = None, impl: str | None = None):
-  """quantize_rows of the expert-sorted buffer gather_rows(src, index, weight), without writing it: the
+  """quantize_rows of the expert-sorted buffer fp8_block.gather_rows(src, index, weight), without writing it: the
   dispatch gather (x's rows from the tokens) and the combine's backward (each slot's dy, its token's
   gradient times its routing weight, rounded once: to `dtype`) fused into the cast.
 
@@ -218,7 +209,7 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   shape = (1, index.shape[0], src.shape[1])
   block = block_for(shape)
   if resolve(impl, shape, block, max(index.shape[0], src.shape[0]) * src.shape[1]) == "xla":  # src read by index too
-    q, qt = _cast_transpose_xla(gather_rows(src, index, weight), row_scale, dtype)
+    q, qt = _cast_transpose_xla(fp8_block.gather_rows(src, index, weight), row_scale, dtype)
   else:
     q, qt = _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block)
   return q, qt, s
