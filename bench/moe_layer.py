@@ -9,8 +9,9 @@ Shapes (hidden / expert ffn / experts / tokens x top-k, skewed load):
 Paths per shape, each measured in this process: temoe FP8 with DeepSeek-V3's block scales
 (`temoe_fp8_blockwise`, recipe te_fp8_blockwise, with dispatch's gather and combine's backward fused
 into its quantizers: mosaic_tokens; `temoe_fp8_blockwise_unfused` through a bf16 buffer), temoe FP8 on its Hopper kernels (`mosaic`, with
-fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the same casts as XLA fusions; `temoe_fp8_tokens` with
-dispatch's gather and combine's backward fused into the casts, as blockwise's: mosaic_tokens), temoe
+dispatch's gather and combine's backward fused into fp8_quant's Triton casts, as blockwise's: mosaic_tokens;
+`temoe_fp8_unfused` through a bf16 buffer and fp8_quant's Triton cast-transpose; `temoe_fp8_xla` with the casts
+as XLA fusions), temoe
 FP8 on TE's grouped GEMM (`te`), temoe bf16 on its sync-free kernel (`mosaic`), stock MaxText's
 tokamax ragged dot (bf16, `use_tokamax_gmm=true`'s call, with temoe's dispatch and combine around
 it), and the dense FP8 (TE) and bf16 (XLA) ceilings of the same GEMMs. Per-GEMM forward TFLOP/s
@@ -51,16 +52,16 @@ PATHS = {  # name -> (kernel, recipe); "tokamax" is stock MaxText's grouped GEMM
     "temoe_fp8_blockwise_unfused": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8_blockwise_divide": ("mosaic", "te_fp8_blockwise"),
     "temoe_fp8": ("mosaic", "te_fp8_current"),
-    "temoe_fp8_tokens": ("mosaic", "te_fp8_current"),
+    "temoe_fp8_unfused": ("mosaic", "te_fp8_current"),
     "temoe_fp8_xla": ("mosaic", "te_fp8_current"),
     "te_fp8": ("te", "te_fp8_current"),
     "temoe_bf16": ("mosaic", "te_no_quant"),
     "tokamax_bf16": ("tokamax", "te_no_quant"),
 }
 QUANT = {"temoe_fp8_xla": "xla"}  # fp8_quant's cast-transpose per path (default: its DEFAULT_IMPL)
-TOKENS_SCALINGS = {  # mosaic_tokens.SCALINGS per path (default: its default, blockwise)
+TOKENS_SCALINGS = {  # mosaic_tokens.SCALINGS per path (default: its default, both FP8 scalings)
     "temoe_fp8_blockwise_unfused": (),  # dispatch -> bf16 buffer -> mosaic.mlp
-    "temoe_fp8_tokens": ("blockwise", "current"),  # current scaling's MLP from tokens (TEMOE_TOKENS_MLP)
+    "temoe_fp8_unfused": (),
 }
 DIVIDE = {"temoe_fp8_blockwise_divide"}  # fp8_block's quantizers as before RECIPROCAL / AMAX_IN_INPUT_DTYPE
 

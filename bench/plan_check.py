@@ -80,7 +80,8 @@ def main() -> int:
         print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")
     peak = measured.get(run)
     maxtext_args = proxy_1gpu.args_of(run, args.smoke, sources.get(run))  # the config as the peak's run had it
-    p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
+    with proxy_1gpu.switches_as_measured(run, None if args.measure else sources.get(run)):
+      p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
     print(plan.table(p))
     estimate = p.estimate.peak / 2**30
     row = {"path": run, "estimate_gib": estimate, "measured_gib": peak, "ratio": estimate / peak if peak else None,

@@ -38,6 +38,7 @@ CPU at a tiny size (no timing meaning).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -92,7 +93,7 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
     "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
-    "temoe_fp8_tokens": (SHIPPED, [], {"TEMOE_TOKENS_MLP": "blockwise,current"}),  # x and dy quantized from tokens
+    "temoe_fp8_unfused": (SHIPPED, [], {"TEMOE_TOKENS_MLP": "none"}),  # x and dy through bf16 buffers
     "stock_best_env": (SHIPPED, STOCK_MOE, True),
     "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
     "temoe_fp8_bf16_dense": (SHIPPED, ["quantization=''"], False),
@@ -158,6 +159,34 @@ they ran (`as_measured`); a path's own overrides still come after these."""
 def as_measured(result_file: str | None) -> list[str]:
   """Overrides that give the shipped config as it was when `result_file` (a bench/results name) was measured."""
   return list(SHIPPED_BEFORE.get(os.path.basename(result_file), ())) if result_file else []
+
+
+SWITCHES_BEFORE = dict.fromkeys(
+    ("proxy_1gpu.blockwise.json", "proxy_1gpu.fp8_scales.json", "proxy_1gpu.fp8_weights.json", "proxy_1gpu.paths.json",
+     "proxy_1gpu.recipes.json", "proxy_1gpu.run2-allpaths.json", "proxy_1gpu.save_moe.json",
+     "proxy_1gpu.save_moe_scan0.json", "proxy_1gpu.scan0-shipped.json", "proxy_1gpu.scan0.json", "proxy_1gpu.scan1.json",
+     "proxy_1gpu.tagging.json", "proxy_1gpu.tokens.json", "proxy_1gpu.triton_amax.json", "proxy_1gpu.variants.json",
+     "plan_check.measured.json"),
+    {"TEMOE_TOKENS_MLP": "blockwise"})
+"""Result files measured while current scaling's layers went through the bf16 buffer (an unset
+TEMOE_TOKENS_MLP meant blockwise only then): their runs are planned with the switches they ran."""
+
+
+@contextlib.contextmanager
+def switches_as_measured(run: str, result_file: str | None = None):
+  """temoe's import-time switches (mosaic_tokens.SCALINGS) set, in this process, as `run` had them when
+  `result_file` was measured (SWITCHES_BEFORE, then the path's own environment), for planning it here."""
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  extra = PATHS[split_name(run)[0]][2]
+  switches = {**SWITCHES_BEFORE.get(os.path.basename(result_file or ""), {}), **(extra if isinstance(extra, dict) else {})}
+  before = mosaic_tokens.SCALINGS
+  if mosaic_tokens.ENV in switches:
+    mosaic_tokens.SCALINGS = mosaic_tokens.scalings_of(switches[mosaic_tokens.ENV])
+  try:
+    yield
+  finally:
+    mosaic_tokens.SCALINGS = before
 
 
 def args_of(run: str, smoke: bool = False, measured_in: str | None = None) -> list[str]:

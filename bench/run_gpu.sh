@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call on a GPU host with TE 2.20 + MaxText 0.2.5 installed
 # (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, small, proxy,
-# calibrate (the step model's rates: bench/calibrate.py, into $out/calibration), tokens (current scaling's MLP
-# from tokens, TEMOE_TOKENS_MLP: its GPU tests and the layer against the shipped path; then run
-# `proxy --paths temoe_fp8,temoe_fp8_tokens,stock_best` for the marginal layer).
+# calibrate (the step model's rates: bench/calibrate.py, into $out/calibration), tokens (the FP8 MLP from
+# tokens, mosaic_tokens: its GPU tests and the layer against the buffer path; then run
+# `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer).
 #   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
@@ -25,7 +25,7 @@ for i in "${!stages[@]}"; do
     tokens)
       python3 -m pytest -q -rs -s tests/gpu/test_blockwise.py -k "gathered or tokens_mlp" 2>&1 | tee "$out/gpu_tests.tokens.log" || rc=1
       python3 bench/moe_layer.py --out "$out" --iters 5 --no-per-gemm --errors --shapes dsv3,small_dsv3,gpt_oss_like \
-        --paths temoe_fp8,temoe_fp8_tokens,temoe_fp8_blockwise,tokamax_bf16 || rc=1 ;;
+        --paths temoe_fp8,temoe_fp8_unfused,temoe_fp8_blockwise,temoe_fp8_blockwise_unfused,tokamax_bf16 || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done

@@ -62,10 +62,10 @@ def policy_of(*overrides: str):
 
 def test_path_environments_add_to_flag_lists_and_own_temoes_switches(monkeypatch):
   monkeypatch.setenv("XLA_FLAGS", "--xla_a=1")
-  monkeypatch.setenv("TEMOE_TOKENS_MLP", "none")  # the calling shell's: no path inherits it
-  tokens, shipped, graphs = (proxy_1gpu.environment(p) for p in ("temoe_fp8_tokens", "temoe_fp8", "temoe_fp8_graphs"))
-  assert tokens["TEMOE_TOKENS_MLP"] == "blockwise,current" and "TEMOE_TOKENS_MLP" not in shipped
-  assert graphs["XLA_FLAGS"].startswith("--xla_a=1 --xla_gpu_enable_command_buffer=") and tokens["XLA_FLAGS"] == "--xla_a=1"
+  monkeypatch.setenv("TEMOE_TOKENS_MLP", "current")  # the calling shell's: no path inherits it
+  unfused, shipped, graphs = (proxy_1gpu.environment(p) for p in ("temoe_fp8_unfused", "temoe_fp8", "temoe_fp8_graphs"))
+  assert unfused["TEMOE_TOKENS_MLP"] == "none" and "TEMOE_TOKENS_MLP" not in shipped
+  assert graphs["XLA_FLAGS"].startswith("--xla_a=1 --xla_gpu_enable_command_buffer=") and unfused["XLA_FLAGS"] == "--xla_a=1"
 
 
 def test_save_moe_is_minimal_with_context_plus_the_moe_gemm_outputs():
@@ -167,3 +167,18 @@ def test_kernel_times_host_mode_reads_the_host_threads_of_a_trace(tmp_path):
   (key,) = [k for k in host if k.endswith("| host_step_of_the_test")]
   assert 20.0 <= host[key]["ms_per_iter"] < 200.0 and host[key]["launches_per_iter"] == 1
   assert not any("host_step_of_the_test" in k for k in kernel_times.kernel_ms(str(trace), 3))  # not a GPU kernel
+
+
+def test_runs_are_planned_with_temoes_switches_as_they_ran():
+  """A run measured while current scaling took the buffer is planned that way; a path's own switch wins;
+  a file measured since keeps this process's switches; the switch is restored after."""
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  now = mosaic_tokens.SCALINGS
+  with proxy_1gpu.switches_as_measured("temoe_fp8@5", "bench/results/proxy_1gpu.variants.json"):
+    assert mosaic_tokens.SCALINGS == {"blockwise"}
+  with proxy_1gpu.switches_as_measured("temoe_fp8_unfused", "bench/results/proxy_1gpu.variants.json"):
+    assert mosaic_tokens.SCALINGS == set()
+  with proxy_1gpu.switches_as_measured("temoe_fp8", "bench/results/proxy_1gpu.json"):
+    assert mosaic_tokens.SCALINGS == now
+  assert mosaic_tokens.SCALINGS == now

@@ -86,13 +86,16 @@ def test_every_measured_gpu_proxy_path_is_planned_within_5_percent_of_its_h200_p
   sys.path.insert(0, str(ROOT / "bench"))
   import plan_check  # pylint: disable=import-outside-toplevel
 
+  import proxy_1gpu  # pylint: disable=import-outside-toplevel
+
   sources = {path: f for path, (_, f) in plan_check.measured_with_sources(MEASURED).items()}
   assert {"temoe_fp8", "stock_best", "temoe_fp8_remat_full", "temoe_fp8_scan0"} <= set(peaks), peaks
   backends = {"temoe_fp8": "mosaic", "temoe_fp8_te": "te", "temoe_bf16_moe": "mosaic", "stock_best": "gmm"}
   off = {}
   for path, measured in sorted(peaks.items()):
     args = proxy_args(path, sources[path])  # the config as that run had it
-    p = plan.make_plan(args[0], args[1:], hbm_gib=141)
+    with proxy_1gpu.switches_as_measured(path, sources[path]):  # and temoe's switches
+      p = plan.make_plan(args[0], args[1:], hbm_gib=141)
     assert p.backend == backends.get(path, p.backend), path
     ratio = p.estimate.peak / 2**30 / measured
     if abs(ratio - 1) > GPU_TARGET:
@@ -163,3 +166,26 @@ def test_remat_policy_none_recomputes_scanned_layers_and_keeps_unscanned_ones():
       config = types.SimpleNamespace(remat_policy=name, scan_layers=scanned)
       assert hbm_activations.placement(None, "mlpwo", config) == where
       assert hbm_activations.placement(None, "decoder_layer_input", config) == "device"
+
+
+def test_the_plan_takes_the_tokens_mlp_where_the_block_does(monkeypatch):
+  """The memory plan drops the bf16 dispatched and gradient rows exactly where the block hands the tokens
+  to mosaic_tokens: temoe's mosaic kernels, an FP8 scaling in its SCALINGS, no expert biases, and an
+  exchange in exchange.TOKENS_MLP (one device, or dedup under expert parallelism)."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+  from temoe.tools import hbm_activations as act  # pylint: disable=import-outside-toplevel
+
+  def takes(recipe="te_fp8_current", backend="mosaic", ep=1, exchange="auto", bias=False):
+    config = types.SimpleNamespace(te_gmm_quantization=recipe, mlp_bias=bias, te_moe_exchange=exchange,
+                                   num_experts=64, num_experts_per_tok=8)
+    s = act.Shapes(tokens=4096, batch=1, seq=4096, emb=7168, tp=1, ep=ep, act=2)
+    return act.from_tokens(config, s, backend)
+
+  monkeypatch.setattr(mosaic_tokens, "SCALINGS", frozenset(("blockwise", "current")))
+  assert takes() and takes("te_fp8_blockwise") and takes(ep=8) and takes(ep=8, exchange="dedup")
+  assert not takes(ep=8, exchange="ragged")  # one row per pair: the buffer path
+  assert not takes(backend="te") and not takes("te_no_quant") and not takes(bias=True)
+  monkeypatch.setattr(mosaic_tokens, "SCALINGS", frozenset(("blockwise",)))
+  assert not takes() and takes("te_fp8_blockwise")

@@ -76,5 +76,5 @@ def test_the_startup_line_names_the_kernels_recipe_and_a_set_tokens_switch(monke
   monkeypatch.delenv(mosaic_tokens.ENV, raising=False)
   line = seams.describe_block(config, mesh)
   assert "backend mosaic: temoe's Pallas Mosaic GPU kernels" in line and "recipe te_fp8_current, 8 device(s)" in line
-  monkeypatch.setenv(mosaic_tokens.ENV, "blockwise,current")
-  assert "recipe te_fp8_current, TEMOE_TOKENS_MLP=blockwise,current, 8 device(s)" in seams.describe_block(config, mesh)
+  monkeypatch.setenv(mosaic_tokens.ENV, "none")
+  assert "recipe te_fp8_current, TEMOE_TOKENS_MLP=none, 8 device(s)" in seams.describe_block(config, mesh)

@@ -279,6 +279,23 @@ def exchange_bytes(config, s: Shapes, device_platform: str) -> float:
   return 2 * (send + receive) * s.emb * s.act
 
 
+def from_tokens(config, s: Shapes, backend: str, device_platform: str = "gpu") -> bool:
+  """Whether the layer's expert MLP starts from the tokens (temoe.moe.experts.mosaic_tokens: the quantizers
+  gather x's rows and dy's as they read), so no bf16 buffer of dispatched rows or of their incoming
+  gradient is ever written; the same test as the block's (mosaic_tokens.applies, exchange.TOKENS_MLP)."""
+  from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+  from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
+
+  recipe = recipes.REGISTRY.get(str(config.te_gmm_quantization))
+  if backend != "mosaic" or recipe is None or recipe.scaling not in mosaic_tokens.SCALINGS or config.mlp_bias:
+    return False
+  if s.ep == 1:
+    return "local" in exchange.TOKENS_MLP
+  top_k, local = config.num_experts_per_tok, config.num_experts // s.ep
+  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local)
+  return name in exchange.TOKENS_MLP
+
+
 def operand_bytes(config, backend: str) -> float:
   """Bytes per element of a quantized GEMM operand copy (recipes.py), 0 where the GEMMs read bf16 as stored."""
   recipe = recipes.REGISTRY.get(str(config.te_gmm_quantization))
@@ -296,7 +313,8 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   quantized weights dgrad reads; gate/up's backward: the dispatched rows' residual, the gate|up
   gradient (2m*a) and its quantized copy both ways, the dispatched rows' gradient (e*a), with the
   gate/up weights' dgrad copy. Tensors the remat policy does not save (gate|up output, down output)
-  are live through the down step. Every step also holds the router's float32 scores and the
+  are live through the down step. Where the MLP starts from the tokens (`from_tokens`), neither the
+  dispatched rows nor the incoming gradient rows exist in bf16. Every step also holds the router's float32 scores and the
   dispatch plan's int32 maps; expert-parallel exchange buffers there and back; on the xla backend
   the dense ragged_dot products and two copies of the layer's expert weights in the layouts XLA's
   dot wants (the XLA:CPU buffer assignment of the train step at its peak).
@@ -327,9 +345,10 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
     remade, down_w, up_w = (q * wi if gate_up else 0), q * wo, q * wi
   else:
     remade, down_w, up_w = (0 if kept_w else q * (2 * wi + wo)), res_w * q * (wi + wo), res_w * q * wi
+  gathered = 0 if from_tokens(c, s, backend, device_platform) else e * a  # the bf16 dispatched / gradient rows
   steps = {
-      "recompute of gate/up": rows * (e * a + 2 * e * q + gate_up) + remade,
-      "down GEMM backward": rows * (e * a + 2 * e * q + m * a + act_res + x_res + recomputed) + down_w,
+      "recompute of gate/up": rows * (gathered + 2 * e * q + gate_up) + remade,
+      "down GEMM backward": rows * (gathered + 2 * e * q + m * a + act_res + x_res + recomputed) + down_w,
       "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + up_w,
   }
   step, biggest = max(steps.items(), key=lambda kv: kv[1])
@@ -337,7 +356,7 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
   always += exchange_bytes(c, s, device_platform)
   if backend == "xla":
     always += xla_ragged_dot_bytes(rows, local, e, m, a) + 2 * (wi + wo) * a
-  note = f"{rows} buffer rows x emb {e}, largest step: {step}"
+  note = f"{rows} buffer rows x emb {e}{', from the tokens' if not gathered and e * a else ''}, largest step: {step}"
   return biggest + always, note
 
 

@@ -22,13 +22,14 @@ MaxText's remat names stay where `parts.gated_mlp` puts them: moe_mlpwi_0/1 on t
 moe_mlpwo on the down output (inside `_down_combine`'s forward; a policy sees names there). Current
 scaling's down output goes behind `parts.separate` as in `parts.gated_mlp`; blockwise's stays as it was
 measured (whether the barrier helps it too is not measured). The activation, its gradient's quantization (0.86 ms), h's (0.46 ms) and the
-weights' (2.5 ms) remain passes of their own. Which recipes take this path: `SCALINGS`. Blockwise by
-default: on the H200 DeepSeek-V3's layer fwd+bwd takes 26.9 ms this way against 27.9 ms through
-`mosaic.mlp`, with the same errors against float32 (bench/results/moe_layer.json, paths
-temoe_fp8_blockwise and temoe_fp8_blockwise_unfused, one call). Current scaling's path is built and
-checked against the unfused layer on CPU (interpret mode) but not yet measured on a GPU, so it is
-selected only by the environment (`TEMOE_TOKENS_MLP=blockwise,current`, what bench/moe_layer.py's
-and bench/proxy_1gpu.py's `temoe_fp8_tokens` paths set). Row biases take `mosaic.mlp`.
+weights' (2.5 ms) remain passes of their own. Which recipes take this path: `SCALINGS`, both FP8
+scalings by default. On the H200, DeepSeek-V3's layer fwd+bwd takes 26.9 ms this way against 27.9 ms
+through `mosaic.mlp` with block scales, and 18.6 against 20.0 ms with current scaling, with the same
+errors against float32 (bench/results/moe_layer.json: temoe_fp8_blockwise against
+temoe_fp8_blockwise_unfused; moe_layer.tokens.json: temoe_fp8_tokens against temoe_fp8). In the
+proxy the marginal MoE decoder layer takes 33.4 against 34.1 ms (proxy_1gpu.tokens.json).
+`TEMOE_TOKENS_MLP` names the scalings that take it (`none`: every layer through the buffer, as
+bench's `*_unfused` paths). Row biases take `mosaic.mlp`.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from temoe.moe.experts import fp8_block, fp8_quant, mosaic_gemm, parts
 
 ENV = "TEMOE_TOKENS_MLP"
 CHOICES = ("blockwise", "current")  # the FP8 scalings this path implements
-DEFAULT_SCALINGS = ("blockwise",)  # measured faster on the H200 (see above); current awaits a GPU measurement
+DEFAULT_SCALINGS = ("blockwise", "current")  # both measured faster on the H200 (see above)
 
 
 def scalings_of(value: str | None) -> frozenset[str]:
