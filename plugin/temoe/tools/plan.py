@@ -161,18 +161,17 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
   if not str(config.hardware).startswith("gpu"):  # a CPU run is planned for this host
     seen = here
   count = devices or max(explicit_devices(config), jax.device_count() if seen is here else 1)
-  if count != devices or seen is not first:  # else the first build is this one
-    with platform_seen_as(seen):
-      config = build_config(path, overrides, count)
-  notes = ()
+  notes, unquantized = (), []
   quantization = str(getattr(config.quantization, "value", config.quantization) or "")
   if quantization in STATELESS_TE_QUANTIZATION and importlib.util.find_spec("transformer_engine") is None:
     # MaxText imports TE to build its quantized dense layers; these recipes keep no state, so the
     # parameters and optimizer state are the unquantized layers'. Planned as those, and said so.
     notes = (f"quantization={quantization} planned without Transformer Engine (not installed here): "
              "its dense layers hold the same parameters, FP8 copies are transient",)
+    unquantized = ["quantization=''"]
+  if count != devices or seen is not first or unquantized:  # else the first build is this one
     with platform_seen_as(seen):
-      config = build_config(path, [*overrides, "quantization=''"], count)
+      config = build_config(path, [*overrides, *unquantized], count)
   if config.te_moe_block:
     backend = recipes.resolve_backend(config.te_moe_backend, str(config.te_gmm_quantization), seen,
                                       recipes.model_shape(config))
