@@ -282,15 +282,12 @@ def exchange_bytes(config, s: Shapes, device_platform: str) -> float:
 def from_tokens(config, s: Shapes, backend: str, device_platform: str = "gpu") -> bool:
   """Whether the layer's expert MLP starts from the tokens (temoe.moe.experts.mosaic_tokens: the quantizers
   gather x's rows and dy's as they read), so no bf16 buffer of dispatched rows or of their incoming
-  gradient is ever written; the same test as the block's (mosaic_tokens.applies, exchange.TOKENS_MLP)."""
+  gradient is ever written: the block's own test (mosaic_tokens.applies_to, exchange.TOKENS_MLP)."""
   from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
   from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
 
-  recipe = recipes.REGISTRY.get(str(config.te_gmm_quantization))
-  if backend != "mosaic" or recipe is None or recipe.scaling not in mosaic_tokens.SCALINGS or config.mlp_bias:
+  if not mosaic_tokens.applies_to(backend, str(config.te_gmm_quantization), bool(config.mlp_bias)):
     return False
-  if s.ep == 1:
-    return "local" in exchange.TOKENS_MLP
   top_k, local = config.num_experts_per_tok, config.num_experts // s.ep
   name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local)
   return name in exchange.TOKENS_MLP

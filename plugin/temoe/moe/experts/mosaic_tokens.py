@@ -66,10 +66,15 @@ def scalings_of(value: str | None) -> frozenset[str]:
 SCALINGS = scalings_of(os.environ.get(ENV))  # the scalings whose layers take this path (read once, at import)
 
 
+def applies_to(kernel: str, recipe: str, biased: bool) -> bool:
+  """Whether a layer on expert kernel `kernel` with `recipe` (and expert biases or not) takes `mlp` where
+  its exchange offers it: the block's test (`applies`) and the memory plan's (tools.hbm_activations)."""
+  return kernel == "mosaic" and recipes.REGISTRY[recipe].scaling in SCALINGS and not biased
+
+
 def applies(ctx, biases) -> bool:
   """Whether the local or deduplicating exchange hands this layer's rows to `mlp` (else: buffer -> mosaic.mlp)."""
-  return (ctx.kernel == "mosaic" and recipes.REGISTRY[ctx.recipe].scaling in SCALINGS
-          and all(b is None for b in biases))
+  return applies_to(ctx.kernel, ctx.recipe, any(b is not None for b in biases))
 
 
 def mlp(ctx, x: jax.Array, p: DispatchPlan, weights: jax.Array, wi: jax.Array, wo: jax.Array,
