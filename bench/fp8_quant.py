@@ -42,9 +42,11 @@ def operands(name: str):
       "x": (rows, hidden), "dy_gate_up": (rows, 2 * ffn), "h": (rows, ffn), "dy_down": (rows, hidden),
   }
   out = {n: ("rows", jax.random.normal(jax.random.fold_in(key, i), s, jnp.bfloat16)) for i, (n, s) in enumerate(acts.items())}
+  # the MLP from tokens' two gathering casts (mosaic_tokens): x's rows and dy's (times a routing weight) from the tokens
+  out["x_gathered"] = ("gathered", jax.random.normal(jax.random.fold_in(key, 7), (tokens, hidden), jnp.bfloat16))
   out["wi"] = ("experts", jax.random.normal(jax.random.fold_in(key, 9), (experts, hidden, 2 * ffn), jnp.bfloat16))
   out["wo"] = ("experts", jax.random.normal(jax.random.fold_in(key, 10), (experts, ffn, hidden), jnp.bfloat16))
-  return out, sizes, experts, rows
+  return out, sizes, experts, rows, p
 
 
 def plot(result: dict, path: str) -> None:
@@ -63,6 +65,8 @@ def main() -> None:
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--shapes", default="dsv3,qwen3_30b_a3b")
   parser.add_argument("--iters", type=int, default=20)
+  parser.add_argument("--operands", help="comma list of the operands to time (default: all): x, dy_gate_up, h, dy_down, "
+                      "x_gathered, wi, wo")
   parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing fp8_quant.json")
   args = parser.parse_args()
   if args.plot_only:
@@ -73,11 +77,20 @@ def main() -> None:
             "device": jax.devices()[0].device_kind, "shapes": {}}
   os.makedirs(args.out, exist_ok=True)
   for name in args.shapes.split(","):
-    ops, sizes, experts, rows = operands(name)
+    ops, sizes, experts, rows, p = operands(name)
     tiles = mz.tile_groups(sizes, rows // 128, 128)
     res = result["shapes"][name] = {}
     for op, (kind, a) in ops.items():
-      if kind == "rows":
+      if args.operands and op not in args.operands.split(","):
+        continue
+      if kind == "gathered":
+        top_k = moe_layer.SHAPES[name][4]  # each buffer row's token; padding reads the zero row `tokens`
+        index = jnp.pad(p.choice_of_slot // top_k, (0, rows - p.choice_of_slot.shape[0]), constant_values=a.shape[0])
+
+        def quant(a, impl, block=None):
+          return fq.quantize_gathered(a, index, tiles, experts, fq.E4M3, impl=impl, block=block)[:2]
+        amax_fn = jax.jit(lambda a: jnp.max(jnp.abs(a), axis=1))
+      elif kind == "rows":
         def quant(a, impl, block=None):
           amax = fq.expert_amax(a, tiles, experts)
           s = fq.group_scales(amax, fq.E4M3)
@@ -89,7 +102,8 @@ def main() -> None:
           s = fq.group_scales(jnp.max(jnp.abs(a), axis=(1, 2)), fq.E4M3)
           return fq.cast_transpose(a, jnp.broadcast_to(s[:, None], a.shape[:2]), fq.E4M3, impl, block)
         amax_fn = jax.jit(lambda a: jnp.max(jnp.abs(a), axis=(1, 2)))
-      nbytes = a.size * 4  # 2 read + 1 + 1 written
+      nbytes = (rows if kind == "gathered" else a.shape[0] if a.ndim == 2 else a.shape[0] * a.shape[1]) * a.shape[-1] * 4
+      # (gathered: rows x d, as a gather of the written buffer would read) 2 read + 1 + 1 written
       row = res[op] = {"shape": list(a.shape), "bytes_moved_min": nbytes}
       row["amax_ms"] = moe_layer.timed(amax_fn, a, iters=args.iters) * 1e3
       ref = jax.jit(lambda a: quant(a, "xla"))

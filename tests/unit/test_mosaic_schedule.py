@@ -249,14 +249,19 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
       assert float(jnp.max(jnp.abs(ours[0].astype(jnp.float32)))) == 448
   with pytest.raises(ValueError, match="choose one of auto, xla, triton"):
     fq.cast_transpose(x, scale, mz.E4M3, "cuda")
-  # columns that are whole 64s but not 128s (current scaling's unpadded copies): the narrow block
-  narrow = x[:, :, :192]
-  assert fq.block_for(narrow.shape) == (128, 64, 8) and fq.resolve("triton", narrow.shape) == "triton"
-  assert fq.block_for((2, 2880, 2880)) == (64, 64, 4)  # weights of 2880 rows: not whole 128s
-  ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "triton")
-  ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(narrow, scale, mz.E4M3, "xla")
-  for got, want in zip(ours, ref):
-    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  # columns that are not whole 128s (current scaling's unpadded copies): the last column block is masked,
+  # bit-equal to XLA's for every block shape
+  for cols in (192, 200, 16):
+    part = x[:, :, :cols]
+    assert fq.resolve("triton", part.shape) == "triton"
+    ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(part, scale, mz.E4M3, "xla")
+    for block in (fq.TRITON_BLOCK, (64, 64, 4), (32, 256, 4)):
+      ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3, 4))(part, scale, mz.E4M3, "triton", block)
+      assert ours[0].shape == (2, 128, cols) and ours[1].shape == (2, cols, 128)
+      for got, want in zip(ours, ref):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  with pytest.raises(ValueError, match="multiples of 64"):  # rows are whole blocks
+    fq.resolve("triton", (2, 2880 + 16, 2880))
 
 
 # ---------------------------------------------------------------------------------- kernels (interpret)

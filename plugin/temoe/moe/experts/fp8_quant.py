@@ -45,14 +45,15 @@ FMAX = {jnp.dtype(E4M3): 448.0, jnp.dtype(E5M2): 57344.0}
 TILE_ROWS = 128  # the kernels' row alignment: no tile straddles two experts
 IMPLS = quantizers.IMPLS
 DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.1-1.4x XLA's fusion alone, 2.1-2.6x in the layer), xla elsewhere
-# Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out.
-# NARROW_BLOCKS for operands whose columns are whole 64s but not 128s (current scaling's copies of such
-# dims are not padded: recipes.mosaic_copy_dim), the first whose rows divide: measured on the H200 on the
-# 2880-dim layer's operands (bench/results/fp8_quant.gpt_oss_like.json, each bit-equal to XLA): 128 x 64
-# with 8 warps for the expert-sorted rows (x 0.49 ms against 0.56 with 64 x 64, h 0.40 / 0.47, dy 0.39 /
-# 0.48), 64 x 64 with 4 warps for weights of 2880 rows (wo 2.39 ms with its amax, 2.51 with 2 warps).
+# Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out. An
+# operand whose columns are not whole 128s (current scaling's copies of such dims are not padded:
+# mosaic_gemm.copy_dim) takes the same block, its last column block masked (loads past the end read 0,
+# stores past it are dropped). Measured on the H200 on the 2880-dim layer's operands, one call, each
+# bit-equal to XLA (bench/results/fp8_quant.gpt_oss_like.masked.json): wo's cast with its amax 2.16 ms
+# against 2.39 with the 64 x 64 blocks it took before, h 0.44 / 0.48, dy 0.47 / 0.50, x 0.54 / 0.53
+# (128 x 64, 8 warps), x gathered from the tokens 0.35 / 0.33: 3.96 ms against 4.23 in all. Whether the
+# layer gains is measured there (bench/moe_layer.py).
 TRITON_BLOCK = (64, 128, 4)
-NARROW_BLOCKS = ((128, 64, 8), (64, 64, 4))
 # The weights' per-expert amax (`weight_amax`) and the backward's cast of them without transpose
 # (`cast_experts`) are XLA's fusions: inside the scanned step they read a layer's slice of the stacked
 # weights in place. Pallas Triton kernels for both were measured in the H200 proxy (profiles of the 3- and
@@ -98,12 +99,40 @@ def _cast_transpose_xla(x, row_scale, dtype):
   return _saturate(v, dtype), _saturate(jnp.swapaxes(v, -1, -2), dtype)
 
 
-def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype):
-  v = x_ref[...].astype(jnp.float32) * s_ref[...][:, None]
+def _column_mask(cols: int | None, block_cols: int, axis: int):
+  """(block_cols,) bool: which of this program's columns exist (None where every block is whole)."""
+  if cols is None:
+    return None
+  return pl.program_id(axis) * block_cols + jnp.arange(block_cols) < cols
+
+
+def _load(ref, mask):
+  """ref's block; where `mask` (the columns that exist) is given, masked (a tail block past the array's end)."""
+  if mask is None:
+    return ref[...]
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+  return pltriton.load(ref, mask=mask[None, :], other=0)
+
+
+def _store_both(q_ref, qt_ref, v, dtype, mask):
+  """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written)."""
   fmax = FMAX[jnp.dtype(dtype)]
   v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
-  q_ref[...] = v.astype(dtype)
-  qt_ref[...] = v.T.astype(dtype)
+  if mask is None:
+    q_ref[...] = v.astype(dtype)
+    qt_ref[...] = v.T.astype(dtype)
+    return
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+  pltriton.store(q_ref, v.astype(dtype), mask=mask[None, :])
+  pltriton.store(qt_ref, v.T.astype(dtype), mask=mask[:, None])
+
+
+def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_cols):
+  mask = _column_mask(cols, block_cols, 2)
+  v = _load(x_ref, mask).astype(jnp.float32) * s_ref[...][:, None]
+  _store_both(q_ref, qt_ref, v, dtype, mask)
 
 
 def _cast_transpose_triton(x, row_scale, dtype, block):
@@ -111,11 +140,11 @@ def _cast_transpose_triton(x, row_scale, dtype, block):
 
   b, r, c = x.shape
   br, bc, warps = (*block, 4)[:3]
-  if r % br or c % bc:
-    raise ValueError(f"cast_transpose: ({r}, {c}) is not a multiple of the block {block}")
+  if r % br:
+    raise ValueError(f"cast_transpose: {r} rows are not a multiple of the block {block}")
   return pl.pallas_call(
-      functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype)),
-      grid=(b, r // br, c // bc),
+      functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype), cols=c if c % bc else None, block_cols=bc),
+      grid=(b, r // br, pl.cdiv(c, bc)),
       in_specs=[
           pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
           pl.BlockSpec((None, br), lambda i, j, k: (i, j)),
@@ -144,21 +173,21 @@ def cast_experts(w: jax.Array, scales: jax.Array, dtype) -> jax.Array:
 
 
 def block_for(shape: tuple[int, ...]):
-  """The Triton block of a (B, R, C) operand: TRITON_BLOCK, or where C is not whole 128s the first of
-  NARROW_BLOCKS whose rows divide R (the last if none does: the implementation then falls back to XLA)."""
-  if shape[-1] % TRITON_BLOCK[1] == 0:
-    return TRITON_BLOCK
-  return next((b for b in NARROW_BLOCKS if shape[-2] % b[0] == 0), NARROW_BLOCKS[-1])
+  """The Triton block of a (B, R, C) operand: TRITON_BLOCK (a last column block past C masked; R must be whole
+  blocks, or the implementation falls back to XLA)."""
+  del shape
+  return TRITON_BLOCK
 
 
 def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None) -> str:
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
   (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`.
   elements: the largest array the kernel addresses (default: the shape's)."""
-  tile = tuple((block or (block_for(shape) if shape else TRITON_BLOCK))[:2])
+  rows = (block or (block_for(shape) if shape else TRITON_BLOCK))[0]
   if elements is None:
     elements = math.prod(shape) if shape else 0
-  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", tuple(shape[-2:]) if shape else (), tile, elements)
+  # whole row blocks; the columns' last block may be partial (masked)
+  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", (shape[-2],) if shape else (), (rows,), elements)
 
 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
@@ -187,7 +216,7 @@ def quantize_rows(x: jax.Array, tile_expert: jax.Array, num_groups: int, dtype, 
 
 
 def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, num_groups: int, dtype,
-                      weight: jax.Array | None = None, impl: str | None = None):
+                      weight: jax.Array | None = None, impl: str | None = None, block=None):
   """quantize_rows of the expert-sorted buffer fp8_block.gather_rows(src, index, weight), without writing it: the
   dispatch gather (x's rows from the tokens) and the combine's backward (each slot's dy, its token's
   gradient times its routing weight, rounded once: to `dtype`) fused into the cast.
@@ -197,7 +226,8 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   gathered per slot and times |weight|: the same value as the buffer's amax, since |a * w| rounds
   monotonically, so max |src[t] * w| = max |src[t]| * |w| in floating point as well. Returns
   (q (rows, d), q^T (d, rows), scales (G,)), bit-equal to quantize_rows of the buffer (a NaN gives its
-  experts scale 1 here always; XLA:CPU's max over an fp32 buffer may skip it, its GPU max does not)."""
+  experts scale 1 here always; XLA:CPU's max over an fp32 buffer may skip it, its GPU max does not).
+  block: the Triton kernel's (rows, cols[, warps]) (default: block_for the buffer's shape)."""
   tokens = src.shape[0]
   real = index < tokens
   slot_amax = jnp.where(real, jnp.max(jnp.abs(src), axis=1).astype(jnp.float32)[jnp.where(real, index, 0)], 0.0)
@@ -207,7 +237,7 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
                    dtype)
   row_scale = jnp.repeat(jnp.where(tile_expert >= 0, s[jnp.maximum(tile_expert, 0)], 1.0), TILE_ROWS)
   shape = (1, index.shape[0], src.shape[1])
-  block = block_for(shape)
+  block = block or block_for(shape)
   if resolve(impl, shape, block, max(index.shape[0], src.shape[0]) * src.shape[1]) == "xla":  # src read by index too
     q, qt = _cast_transpose_xla(fp8_block.gather_rows(src, index, weight), row_scale, dtype)
   else:
@@ -215,21 +245,25 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   return q, qt, s
 
 
-def _cast_transpose_gathered_kernel(index_ref, *refs, tokens, weighted, dtype, block_cols):
+def _cast_transpose_gathered_kernel(index_ref, *refs, tokens, weighted, dtype, cols, block_cols):
   """_cast_transpose_kernel on the tile of rows src[index] (x weight, fp32): the gather reads as it casts."""
   weight_ref, refs = (refs[0], refs[1:]) if weighted else (None, refs)
   s_ref, src_ref, q_ref, qt_ref = refs
   index = index_ref[...]
   real = index < tokens  # index == tokens: a padding slot, zero
-  v = src_ref[jnp.where(real, index, 0), pl.ds(pl.program_id(1) * block_cols, block_cols)]  # padding reads row 0
+  mask = _column_mask(cols, block_cols, 1)
+  row = jnp.where(real, index, 0)  # padding reads row 0
+  if mask is None:
+    v = src_ref[row, pl.ds(pl.program_id(1) * block_cols, block_cols)]
+  else:  # a tail block: both indices as arrays, the missing columns masked
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+    col = pl.program_id(1) * block_cols + jnp.arange(block_cols)
+    v = pltriton.load(src_ref.at[row[:, None], col[None, :]], mask=mask[None, :], other=0)
   v = jnp.where(real[:, None], v.astype(jnp.float32), 0.0)
   if weighted:
     v = v * weight_ref[...].astype(jnp.float32)[:, None]
-  v = v * s_ref[...][:, None]
-  fmax = FMAX[jnp.dtype(dtype)]
-  v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
-  q_ref[...] = v.astype(dtype)
-  qt_ref[...] = v.T.astype(dtype)
+  _store_both(q_ref, qt_ref, v * s_ref[...][:, None], dtype, mask)
 
 
 def _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block):
@@ -242,8 +276,8 @@ def _cast_transpose_gathered_triton(src, index, weight, row_scale, dtype, block)
   rows = pl.BlockSpec((br,), lambda i, j: (i,))
   return pl.pallas_call(
       functools.partial(_cast_transpose_gathered_kernel, tokens=tokens, weighted=weighted, dtype=jnp.dtype(dtype),
-                        block_cols=bc),
-      grid=(r // br, c // bc),
+                        cols=c if c % bc else None, block_cols=bc),
+      grid=(r // br, pl.cdiv(c, bc)),
       in_specs=[rows] + [rows] * weighted + [rows, pl.BlockSpec(memory_space=pl.ANY)],  # src: read by index
       out_specs=[pl.BlockSpec((br, bc), lambda i, j: (i, j)), pl.BlockSpec((bc, br), lambda i, j: (j, i))],
       out_shape=[jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype)],
