@@ -31,13 +31,15 @@ train: venv
 	$(PY) -m temoe.tools.summary runs/$(RUN)/metrics.jsonl
 
 # One pytest worker per core, at most 4 (each worker compiles JAX programs and starts training processes);
-# --dist loadfile keeps a file's tests, and its module fixtures, on one worker.
+# --dist loadfile keeps a file's tests, and its module fixtures, on one worker; --no-loadscope-reorder hands
+# the files out in tests/conftest.py's order (the longest first) instead of by their number of tests (which
+# would start the few-test training files, the Slurm one included, last).
 # --durations lists the 15 slowest tests, to keep the suite inside its time budget.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
 
 test: venv
 	$(VENV)/bin/ruff check plugin tests bench
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -67,33 +68,36 @@ def main() -> int:
   found = {} if args.measure else measured_with_sources(args.results)
   measured = {k: peak for k, (peak, _) in found.items()}
   sources = {k: f for k, (_, f) in found.items()}
-  workdir = tempfile.mkdtemp(prefix="plan-check-")
+  workdir = tempfile.mkdtemp(prefix="plan-check-")  # the measured runs' output directories
   worst, rows = 0.0, []
-  for run in runs:
-    if args.measure:
-      env = proxy_1gpu.environment(proxy_1gpu.split_name(run)[0])
-      env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
-      env.update({} if preallocate is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
-      row = training_runs.measure(run, proxy_1gpu.args_of(run, args.smoke), args.steps, workdir, args.timeout, env)
-      measured[run] = row.get("peak_hbm_gib")
-      if not measured[run]:
-        print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")
-    peak = measured.get(run)
-    maxtext_args = proxy_1gpu.args_of(run, args.smoke, sources.get(run))  # the config as the peak's run had it
-    with proxy_1gpu.switches_as_measured(run, None if args.measure else sources.get(run)):
-      p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
-    print(plan.table(p))
-    estimate = p.estimate.peak / 2**30
-    row = {"path": run, "estimate_gib": estimate, "measured_gib": peak, "ratio": estimate / peak if peak else None,
-           "phase": p.estimate.transient.name}
-    rows.append(row)
-    print(f"PLAN_CHECK {json.dumps(row)}", flush=True)
-    if peak:
-      worst = max(worst, abs(estimate / peak - 1))
-    if args.out:  # after every run
-      command = " ".join(["python", "bench/plan_check.py", *sys.argv[1:]])
-      pathlib.Path(args.out).write_text(json.dumps({"command": command, "tolerance": plan.TOLERANCE, "target": TARGET,
-                                                     "measured_here": args.measure, "rows": rows}, indent=1))
+  try:
+    for run in runs:
+      if args.measure:
+        env = proxy_1gpu.environment(proxy_1gpu.split_name(run)[0])
+        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+        env.update({} if preallocate is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
+        row = training_runs.measure(run, proxy_1gpu.args_of(run, args.smoke), args.steps, workdir, args.timeout, env)
+        measured[run] = row.get("peak_hbm_gib")
+        if not measured[run]:
+          print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")
+      peak = measured.get(run)
+      maxtext_args = proxy_1gpu.args_of(run, args.smoke, sources.get(run))  # the config as the peak's run had it
+      with proxy_1gpu.switches_as_measured(run, None if args.measure else sources.get(run)):
+        p = plan.make_plan(maxtext_args[0], maxtext_args[1:])
+      print(plan.table(p))
+      estimate = p.estimate.peak / 2**30
+      row = {"path": run, "estimate_gib": estimate, "measured_gib": peak, "ratio": estimate / peak if peak else None,
+             "phase": p.estimate.transient.name}
+      rows.append(row)
+      print(f"PLAN_CHECK {json.dumps(row)}", flush=True)
+      if peak:
+        worst = max(worst, abs(estimate / peak - 1))
+      if args.out:  # after every run
+        command = " ".join(["python", "bench/plan_check.py", *sys.argv[1:]])
+        pathlib.Path(args.out).write_text(json.dumps({"command": command, "tolerance": plan.TOLERANCE, "target": TARGET,
+                                                       "measured_here": args.measure, "rows": rows}, indent=1))
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
   missing = [r["path"] for r in rows if not r["measured_gib"]]
   off = [f"{r['path']} {r['ratio']:.3f}" for r in rows if r["ratio"] and abs(r["ratio"] - 1) > TARGET]
   print(f"worst |estimate / measured - 1| = {worst:.3f}; beyond {TARGET:.0%}: {', '.join(off) or 'none'}"

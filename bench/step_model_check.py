@@ -134,14 +134,25 @@ def same_input_as_fitted(path: str, fitted: set[str], paths: dict) -> bool:
   return key(path) is not None and any(key(path) == key(f) for f in fitted)
 
 
-def one_gpu_rows() -> tuple[list[dict], list[dict]]:
+def proxy_job(path: str, measured_in: str, jobs: dict):
+  """calibrate.proxy_job, planned once per distinct MaxText argument list (`jobs`: arguments -> job): the
+  result files' runs of one path often had the same config, and the job is all the plan gives the model."""
   import calibrate  # pylint: disable=import-outside-toplevel
+  import proxy_1gpu  # pylint: disable=import-outside-toplevel
+
+  key = tuple(proxy_1gpu.args_of(path, measured_in=measured_in))
+  if key not in jobs:
+    jobs[key] = calibrate.proxy_job(path, measured_in)
+  return jobs[key]
+
+
+def one_gpu_rows() -> tuple[list[dict], list[dict]]:
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
 
   from temoe.tools import calibration, step_model  # pylint: disable=import-outside-toplevel
 
   calib = calibration.calibration_for("h200")
-  rows, excluded = [], []
+  rows, excluded, jobs = [], [], {}
   for file in PROXY_FILES:
     for path, measured in read(file)["paths"].items():
       if (file, path) in EXCLUDED:
@@ -150,7 +161,7 @@ def one_gpu_rows() -> tuple[list[dict], list[dict]]:
       if "step_time_s" not in measured:
         excluded.append({"name": f"{file}:{path}", "why": f"no step time ({measured.get('error', 'not run')[:200]})"})
         continue
-      job = calibrate.proxy_job(path, file)
+      job = proxy_job(path, file, jobs)
       extra = proxy_1gpu.PATHS[path.split("@")[0]][2]  # True: the container profile, what xla_flags_for adds anyway
       _, flags = step_model.xla_flags_for(calib.gpu, dict(extra) if isinstance(extra, dict) else {})
       p = step_model.predict(job, calib, flags)
@@ -160,7 +171,7 @@ def one_gpu_rows() -> tuple[list[dict], list[dict]]:
                    "predicted": p.step_seconds, "reference": measured["step_time_s"], "unit": "s/step",
                    "source": f"bench/results/{file} paths.{path}.step_time_s (H200); flags: bench/proxy_1gpu.py PATHS[{path!r}]"})
   rows += layer_rows(calib)
-  rows += profile_rows(calib)
+  rows += profile_rows(calib, jobs)
   excluded.append({"name": "moe_layer.json:qwen3_30b_a3b", "why": "the only class of its expert shape (2048x768): no "
                    "other class to predict it from"})
   return rows, excluded
@@ -188,17 +199,15 @@ def layer_rows(calib) -> list[dict]:
   return rows
 
 
-def profile_rows(calib) -> list[dict]:
+def profile_rows(calib, jobs: dict) -> list[dict]:
   """The profiled step's stages that no profile-fitted constant prices: experts, dispatch + combine."""
-  import calibrate  # pylint: disable=import-outside-toplevel
-
   from temoe.tools import step_model  # pylint: disable=import-outside-toplevel
 
   profile = read("profile/temoe_fp8.json")
   step = read("proxy_1gpu.variants.json")["paths"]["temoe_fp8"]["step_time_s"]
   scale = step / (profile["step_ms"] / 1e3)
   _, flags = step_model.xla_flags_for(calib.gpu, {})
-  job = calibrate.proxy_job("temoe_fp8", "proxy_1gpu.variants.json")  # the profile's run: that file's config
+  job = proxy_job("temoe_fp8", "proxy_1gpu.variants.json", jobs)  # the profile's run: that file's config
   stages = {s.name: s.seconds for s in step_model.predict(job, calib, flags).stages}
   ms = profile["ms_per_step"]
   out = []

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import fcntl
+import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +19,7 @@ SMOKE = str(ROOT / "configs" / "deepseek3-smoke.yml")
 
 
 _OUTPUT = tempfile.mkdtemp(prefix="temoe-tests-")  # this process's own: concurrent runs never share it
+atexit.register(shutil.rmtree, _OUTPUT, ignore_errors=True)
 
 
 def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
@@ -43,25 +48,49 @@ def smoke_data(tmp_path_factory) -> str:
   return data.write_parquet(str(tmp_path_factory.mktemp("data") / "smoke-train.parquet"))
 
 
+def once_per_session(tmp_path_factory, name: str, produce):
+  """`produce(directory)`'s JSON-able result, computed once per test session: with pytest-xdist each worker
+  holds its own session fixtures, so the first worker to ask computes it (in the workers' shared temp
+  directory, under a lock the others wait on) and the others read what it wrote."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):
+    root = root.parent  # pytest-N, above each worker's popen-gwK
+  done = root / f"{name}.json"
+  with open(root / f"{name}.lock", "w", encoding="utf-8") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      result = produce(pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=root)))
+      done.write_text(json.dumps(result), encoding="utf-8")
+  return json.loads(done.read_text(encoding="utf-8"))
+
+
 @pytest.fixture(scope="session")
 def smoke_reference(tmp_path_factory, smoke_data) -> dict[int, float]:
   """{step: loss} of one uninterrupted 32-step smoke run (no checkpoints): the trajectory a stopped and
-  resumed run must continue exactly (tests/e2e/test_resume.py, test_preemption.py)."""
+  resumed run must continue exactly (tests/e2e/test_resume.py, test_preemption.py). JSON keeps the floats
+  exactly (repr round-trips)."""
   import runs  # pylint: disable=import-outside-toplevel
 
-  base = tmp_path_factory.mktemp("uninterrupted")
-  return runs.train(base, smoke_data, "ref", "ref.jsonl", "steps=32", "enable_checkpointing=false")[0]
+  def train(base):
+    return runs.train(base, smoke_data, "ref", "ref.jsonl", "steps=32", "enable_checkpointing=false")[0]
+
+  return {int(step): loss for step, loss in once_per_session(tmp_path_factory, "uninterrupted", train).items()}
 
 
 @pytest.fixture(scope="session")
 def profiled_smoke(tmp_path_factory, smoke_data):
   """One `temoe profile` CPU run of the smoke config with MoE metrics on (5 steps, the last 2 traced),
-  shared by the profile and report tests (each reads it, none changes it): (run dir, CompletedProcess)."""
-  run = tmp_path_factory.mktemp("profiled") / "run"
-  result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "record_internal_nn_metrics=true",
-                     "--out", str(run), "--skip", "3", "--steps", "2")
-  assert result.returncode == 0, result.stderr[-4000:]
-  return run, result
+  shared by the profile and report tests (each reads it; the report writes only its report/ folder):
+  (run dir, CompletedProcess)."""
+  def profile(base):
+    run = base / "run"
+    result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "record_internal_nn_metrics=true",
+                       "--out", str(run), "--skip", "3", "--steps", "2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {"run": str(run), "args": result.args, "stdout": result.stdout, "stderr": result.stderr}
+
+  done = once_per_session(tmp_path_factory, "profiled", profile)
+  return pathlib.Path(done["run"]), subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
 
 
 MARKERS = {"unit": "fast CPU tests", "e2e": "training runs in subprocesses (slow)", "slurm": "a real Slurm cluster",
@@ -73,8 +102,29 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{name}: {doc}")
 
 
+LONGEST_FIRST = ("e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py", "unit/test_step_model.py",
+                 "slurm/test_slurm.py", "e2e/test_bench_smoke.py", "e2e/test_failures.py", "e2e/test_interchange.py",
+                 "e2e/test_train_e2e.py", "e2e/test_resume.py", "unit/test_profile.py")
+"""The files that take longest (`make test`'s --durations: 1 to 4 minutes each on 2 cores), longest first.
+`make test` runs files whole on each worker (--dist loadfile) in collection order (--no-loadscope-reorder):
+these go out first, then the other training runs (e2e), then the short unit files, so the last files
+to start are short and the workers finish together. test_resume comes well after test_preemption, and
+test_profile well before test_report, so the session's shared runs (smoke_reference, profiled_smoke) are
+usually done when the second file asks for them."""
+FOLDER_ORDER = ("slurm", "e2e", "unit", "gpu")
+
+
 def pytest_collection_modifyitems(items):
-  """Each test is marked by its folder (tests/unit, e2e, slurm, gpu): `pytest -m unit` runs the fast ones."""
+  """Each test is marked by its folder (tests/unit, e2e, slurm, gpu): `pytest -m unit` runs the fast ones.
+  Files are ordered LONGEST_FIRST, then by FOLDER_ORDER; a file's tests keep their order."""
+  def rank(item) -> tuple[int, int]:
+    path = pathlib.Path(str(item.fspath))
+    name = f"{path.parent.name}/{path.name}"
+    first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+    folder = FOLDER_ORDER.index(path.parent.name) if path.parent.name in FOLDER_ORDER else len(FOLDER_ORDER)
+    return first, folder
+
+  items.sort(key=rank)  # stable: collection order within a rank
   for item in items:
     folder = pathlib.Path(str(item.fspath)).parent.name
     if folder in MARKERS:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster for tests: tests/slurm/cluster.sh start|stop DIR
 # start: installs Debian's slurmctld, slurmd, slurm-client and munge (skipped when present), writes
-# DIR/slurm.conf (this host, 2 CPUs, no cgroups), starts munged, slurmctld and slurmd as root without
+# DIR/slurm.conf (this host, 2 CPUs, no cgroups; a requeued job is eligible again after cred_expire + 1 =
+# 11 s, not Slurm's default 121 s, and the scheduler passes over the queue every 2 s, not 60 s: the
+# requeue test would otherwise wait ~3 minutes idle), starts munged, slurmctld and slurmd as root without
 # systemd, and waits until the node is idle. Clients need SLURM_CONF=DIR/slurm.conf.
 # stop: ends the daemons this script started, by the PIDs it recorded in DIR.
 set -euo pipefail
@@ -42,7 +44,7 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$munge_dir/munge.socket
+AuthInfo=socket=$munge_dir/munge.socket,cred_expire=10
 StateSaveLocation=$dir/ctld
 SlurmdSpoolDir=$dir/slurmd
 SlurmctldPidFile=$dir/slurmctld.pid
@@ -60,6 +62,7 @@ MpiDefault=none
 ReturnToService=2
 JobRequeue=1
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 NodeName=$host NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
