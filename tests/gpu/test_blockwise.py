@@ -113,6 +113,17 @@ def test_triton_quantizers_match_xla(pow2, record_property):
       assert differ <= 1e-3, (what, g.shape, differ)
 
 
+def test_weights_padded_as_read_match_the_padded_copy():
+  """Blockwise weights of dims that are not whole 128s (the 2880-dim layer's): the Triton quantizer reads w
+  as it is, its last blocks masked, and writes the padded copies bit-equal to XLA's of the zero-padded w."""
+  w = jax.random.normal(jax.random.key(5), (8, 2880, 2880), jnp.float32).astype(jnp.bfloat16)
+  got = jax.jit(lambda a: fb.quantize_weights(a, impl="triton", padded=(2944, 2944)))(w)
+  want = jax.jit(lambda a: fb.quantize_weights(jnp.pad(a, ((0, 0), (0, 64), (0, 64))), impl="xla"))(w)
+  for g, e in zip(got, want):
+    assert g.shape == e.shape
+    np.testing.assert_array_equal(f32(g), f32(e))
+
+
 def test_triton_gathered_quantizer_matches_xla(record_property):
   """dispatch's gather and combine's backward fused into the quantizer (mosaic_tokens): rows of x by
   token index, padding slots zero, optionally times a routing weight."""

@@ -160,7 +160,11 @@ def test_triton_quantizers_match_xla_in_interpret_mode(pow2, variant, monkeypatc
   for got, want in ((fb.quantize_both(x, pow2, "triton"), fb.quantize_both(x, pow2, "xla")),
                     (fb.quantize_gathered(x[:200], index, None, pow2, "triton"),
                      fb.quantize_gathered(x[:200], index, None, pow2, "xla")),
-                    (fb.quantize_weights(w, pow2, "triton"), fb.quantize_weights(w, pow2, "xla"))):
+                    (fb.quantize_weights(w, pow2, "triton"), fb.quantize_weights(w, pow2, "xla")),
+                    # weights of dims that are not whole blocks, padded as the kernel reads them (masked
+                    # loads), against XLA's quantizer of the zero-padded copy
+                    (fb.quantize_weights(w[:, :200, :300], pow2, "triton", padded=(256, 384)),
+                     fb.quantize_weights(jnp.pad(w[:, :200, :300], ((0, 0), (0, 56), (0, 84))), pow2, "xla"))):
     for g, e in zip(got, want):
       assert g.shape == e.shape and g.dtype == e.dtype
       if g.dtype == jnp.float32 or pow2:  # scales, and values divided by powers of two: exact
@@ -169,6 +173,10 @@ def test_triton_quantizers_match_xla_in_interpret_mode(pow2, variant, monkeypatc
         assert_e4m3_close(g, f32(e))
   with pytest.raises(ValueError, match="multiples of 128"):
     fb.quantize_both(x[:, :200], pow2, "triton")
+  with pytest.raises(ValueError, match="multiples of 128"):
+    fb.quantize_weights(w, pow2, "triton", padded=(256, 400))
+  with pytest.raises(ValueError, match="smaller than"):
+    fb.quantize_weights(w, pow2, "triton", padded=(128, 384))
   with pytest.raises(ValueError, match="choose one of auto, xla, triton"):
     fb.quantize_both(x, pow2, "cuda")
 

@@ -58,3 +58,50 @@ def test_the_backwards_weight_cast_is_the_forwards_copy(shape, monkeypatch):
     assert again.dtype == wq.dtype and again.shape == wq.shape
     np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)))
   assert np.isnan(np.asarray(fp8_quant.weight_amax(w.at[0, 5, 7].set(jnp.nan))))[0]
+
+
+def test_fp8_copies_of_2_31_elements_or_more_are_written_as_32_bit_words(monkeypatch):
+  """An FP8 output too large for Pallas' 32-bit element offsets is written as words of four values and read
+  back by a bitcast: the blockwise weights' two layouts and the cast-transpose's (a masked column tail too),
+  bit-equal to XLA's in Pallas' interpreter (MAX_ELEMENTS lowered so small arrays take the packed form);
+  `auto` takes them on a GPU only once PACKED_IN_AUTO says they were measured there."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  monkeypatch.setattr(quantizers, "MAX_ELEMENTS", 1000)
+  monkeypatch.setattr(fp8_block, "INTERPRET", True)
+  monkeypatch.setattr(fp8_quant, "INTERPRET", True)
+  w = jax.random.normal(jax.random.key(1), (3, 256, 384), jnp.float32)
+  w = (w * jnp.asarray([1.0, 300.0, 0.01])[:, None, None]).astype(jnp.bfloat16)  # three experts' ranges
+  for got, want in zip(fp8_block.quantize_weights(w, impl="triton"), fp8_block.quantize_weights(w, impl="xla")):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  scale = jax.random.uniform(jax.random.key(2), (3, 256), jnp.float32, 0.5, 4.0)
+  for cols in (384, 200):  # 200: the last 128-column block masked, in words
+    for got, want in zip(fp8_quant.cast_transpose(w[:, :, :cols], scale, fp8_quant.E4M3, "triton"),
+                         fp8_quant.cast_transpose(w[:, :, :cols], scale, fp8_quant.E4M3, "xla")):
+      assert got.dtype == want.dtype and got.shape == want.shape
+      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):  # columns not whole words: not packed
+    fp8_quant.cast_transpose(w[:, :, :202], scale, fp8_quant.E4M3, "triton")
+  monkeypatch.setattr(quantizers.jax, "default_backend", lambda: "gpu")
+  assert fp8_block.resolve(None, 256, 384, elements=w.size, packable=True) == "xla"
+  assert fp8_quant.resolve(None, w.shape, packable=True) == "xla"
+  monkeypatch.setattr(quantizers, "PACKED_IN_AUTO", True)
+  assert fp8_block.resolve(None, 256, 384, elements=w.size, packable=True) == "triton"
+  assert fp8_quant.resolve(None, w.shape, packable=True) == "triton"
+  assert fp8_quant.resolve(None, (3, 256, 202), packable=True) == "xla"
+
+
+def test_packed_words_hold_four_values_in_order():
+  """pack_words / unpack_words against numpy's little-endian view of the same bytes."""
+  import jax.numpy as jnp
+  import numpy as np
+
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((4, 64)) * 100, jnp.float8_e4m3fn)
+  words = quantizers.pack_words(q)
+  assert words.shape == (4, 16) and words.dtype == jnp.uint32
+  raw = np.asarray(q).view(np.uint8)
+  np.testing.assert_array_equal(np.asarray(words), raw.reshape(4, 16, 4).copy().view("<u4")[..., 0])
+  np.testing.assert_array_equal(np.asarray(quantizers.unpack_words(words, jnp.float8_e4m3fn)).view(np.uint8), raw)

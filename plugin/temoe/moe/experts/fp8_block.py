@@ -29,7 +29,12 @@ on the H200 for DeepSeek-V3's layer, 69,632 buffer rows, shipped form: bench/res
 gather's output's shape, quantize_both alone) 1.05 ms, h (the activation's output) 0.47 ms, the
 activation's gradient 0.66 ms, at 1.2-1.9 TB/s, and the incoming gradient dy (the combine's backward,
 x's shape; not timed alone); each weight once per step into both layouts, wi 1.37 ms and wo 0.86 ms
-(2.2-2.7 TB/s). The per-element division they had before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms
+(2.2-2.7 TB/s). Weights whose dims are not whole 128s are read as they are, the kernel's blocks past their
+ends masked (`quantize_weights(padded=...)`), where a zero-padded bf16 copy of them was a pass of its own
+(1.3 ms of the 2880-dim layer's wo in an H200 profile, bench/results/layer_profile/gpt_oss_like.blockwise_xla_wi.json).
+FP8 copies of 2^31 elements or more (that layer's padded wi) can be written as 32-bit words
+(quantizers.pack_words); `auto` takes XLA's form for them (3.7 + 1.8 + 1.1 ms there) until the packed
+kernels are timed on a GPU (quantizers.PACKED_IN_AUTO). The per-element division they had before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms
 (x, h, the activation's gradient, wi, wo) in the same call. `quantize_gathered` fuses two of them
 into their producers' reads: x's rows gathered from the tokens, and dy's from the tokens' gradient
 times the routing weights (`mosaic_tokens`, the default on one device: 26.9 against 27.9 ms for the
@@ -192,12 +197,20 @@ def _gathered_kernel(index_ref, *refs, tokens, weighted, pow2):
   _quantize_tile(v, *outs, pow2)
 
 
-def _weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, pow2):
-  v = w_ref[...]  # one 128 x 128 block
+def _weights_kernel(w_ref, q_ref, qt_ref, s_ref, *, pow2, packed, dims):
+  if dims is None:
+    v = w_ref[...]  # one 128 x 128 block
+  else:  # w is (K, N) = dims, read as whole blocks: past its ends zeros (the padded copy, without the copy)
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+    row = pl.program_id(1) * BLOCK + jnp.arange(BLOCK)
+    col = pl.program_id(2) * BLOCK + jnp.arange(BLOCK)
+    v = pltriton.load(w_ref, mask=(row < dims[0])[:, None] & (col < dims[1])[None, :], other=0)
   s = scale_of(jnp.max(jnp.abs(v if AMAX_IN_INPUT_DTYPE else v.astype(jnp.float32))), pow2)
   q = _cast_scaled(v.astype(jnp.float32), s)
-  q_ref[...] = q
-  qt_ref[...] = q.T
+  pack = quantizers.pack_words if packed else (lambda t: t)
+  q_ref[...] = pack(q)
+  qt_ref[...] = pack(q.T)
   s_ref[...] = jnp.broadcast_to(s, s_ref.shape)
 
 
@@ -256,39 +269,47 @@ def _quantize_gathered_triton(src, index, weight, pow2):
   )(index.astype(jnp.int32), *([weight.astype(jnp.float32)] if weighted else []), src)
 
 
-def _quantize_weights_triton(w, pow2):
+def _quantize_weights_triton(w, pow2, padded=None):
   g, k, n = w.shape
+  dims = None if padded in (None, (k, n)) else (k, n)
+  k, n = padded or (k, n)
   kb, nb = k // BLOCK, n // BLOCK
   blk = (None, BLOCK, BLOCK)
+  packed = quantizers.packs(g * k * n)  # FP8 copies of 2^31 elements or more: 32-bit words of four
+  word = quantizers.WORD if packed else 1
+  q_blk, q_dtype = (None, BLOCK, BLOCK // word), jnp.uint32 if packed else E4M3
   # The scale is written as a 16-wide row per block (Triton blocks are powers of two of at least
   # a few elements); column 0 is the scale.
   q, qt, s = pl.pallas_call(
-      functools.partial(_weights_kernel, pow2=pow2),
+      functools.partial(_weights_kernel, pow2=pow2, packed=packed, dims=dims),
       grid=(g, kb, nb),
       in_specs=[pl.BlockSpec(blk, lambda e, i, j: (e, i, j))],
       out_specs=[
-          pl.BlockSpec(blk, lambda e, i, j: (e, i, j)),
-          pl.BlockSpec(blk, lambda e, i, j: (e, j, i)),
+          pl.BlockSpec(q_blk, lambda e, i, j: (e, i, j)),
+          pl.BlockSpec(q_blk, lambda e, i, j: (e, j, i)),
           pl.BlockSpec((None, None, None, 16), lambda e, i, j: (e, i, j, 0)),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct((g, k, n), E4M3), jax.ShapeDtypeStruct((g, n, k), E4M3),
+          jax.ShapeDtypeStruct((g, k, n // word), q_dtype), jax.ShapeDtypeStruct((g, n, k // word), q_dtype),
           jax.ShapeDtypeStruct((g, kb, nb, 16), jnp.float32),
       ],
       compiler_params=_compiler_params(WEIGHTS_WARPS),
       interpret=INTERPRET,
       name="temoe_fp8_block_quantize_weights",
   )(w)
+  if packed:
+    q, qt = quantizers.unpack_words(q, E4M3), quantizers.unpack_words(qt, E4M3)
   return q, qt, s[..., 0]
 
 
 # ------------------------------------------------------------------------------------ public API
 
 
-def resolve(impl: str | None, *dims: int, elements: int = 0) -> str:
+def resolve(impl: str | None, *dims: int, elements: int = 0, packable: bool = False) -> str:
   """The implementation `impl` names for an operand with these dims and `elements` in all ("auto":
   triton on a GPU when every dim is a multiple of 128, xla otherwise): `quantizers.resolve`."""
-  return quantizers.resolve(impl or DEFAULT_IMPL, "fp8_block", dims, (BLOCK,) * len(dims), elements or math.prod(dims))
+  return quantizers.resolve(impl or DEFAULT_IMPL, "fp8_block", dims, (BLOCK,) * len(dims), elements or math.prod(dims),
+                            packable)
 
 
 def quantize_both(x: jax.Array, pow2: bool = False, impl: str | None = None):
@@ -311,11 +332,18 @@ def quantize_gathered(src: jax.Array, index: jax.Array, weight: jax.Array | None
   return quantize_gathered_xla(src, index, weight, pow2)
 
 
-def quantize_weights(w: jax.Array, pow2: bool = False, impl: str | None = None):
-  """(G, K, N) -> (q (G, K, N), q^T (G, N, K), s (G, Kb, Nb)) with 128 x 128 blocks."""
-  if resolve(impl, *w.shape[1:], elements=w.size) == "triton":
-    return _quantize_weights_triton(w, pow2)
-  return quantize_weights_xla(w, pow2)
+def quantize_weights(w: jax.Array, pow2: bool = False, impl: str | None = None, padded: tuple[int, int] | None = None):
+  """(G, K, N) -> (q (G, K, N), q^T (G, N, K), s (G, Kb, Nb)) with 128 x 128 blocks.
+
+  padded (Kp, Np) >= (K, N): the copies of w zero-padded to these dims, read from w as it is (the Triton
+  kernel masks its reads past w's ends: no padded bf16 copy of the weights; XLA's form pads first)."""
+  g, k, n = w.shape
+  kp, np_ = padded or (k, n)
+  if kp < k or np_ < n:
+    raise ValueError(f"quantize_weights: padded {padded} is smaller than w's ({k}, {n})")
+  if resolve(impl, kp, np_, elements=g * kp * np_, packable=True) == "triton":
+    return _quantize_weights_triton(w, pow2, (kp, np_))
+  return quantize_weights_xla(jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n))) if (kp, np_) != (k, n) else w, pow2)
 
 
 def reference_grouped_matmul(x, w, group_sizes, pow2: bool = False):

@@ -115,24 +115,35 @@ def _load(ref, mask):
   return pltriton.load(ref, mask=mask[None, :], other=0)
 
 
-def _store_both(q_ref, qt_ref, v, dtype, mask):
-  """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written)."""
+def _store_both(q_ref, qt_ref, v, dtype, mask, word_mask=None):
+  """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written).
+  word_mask: the outputs are 32-bit words of four values along their minor dim (quantizers.pack_words), and
+  of q's words those that exist (columns are whole words); True where no column is missing."""
   fmax = FMAX[jnp.dtype(dtype)]
   v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
+  q, qt = v.astype(dtype), v.T.astype(dtype)
+  q_mask = mask
+  if word_mask is not None:
+    q, qt = quantizers.pack_words(q), quantizers.pack_words(qt)
+    q_mask = word_mask
   if mask is None:
-    q_ref[...] = v.astype(dtype)
-    qt_ref[...] = v.T.astype(dtype)
+    q_ref[...] = q
+    qt_ref[...] = qt
     return
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
 
-  pltriton.store(q_ref, v.astype(dtype), mask=mask[None, :])
-  pltriton.store(qt_ref, v.T.astype(dtype), mask=mask[:, None])
+  pltriton.store(q_ref, q, mask=q_mask[None, :])
+  pltriton.store(qt_ref, qt, mask=mask[:, None])
 
 
-def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_cols):
+def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_cols, packed):
   mask = _column_mask(cols, block_cols, 2)
   v = _load(x_ref, mask).astype(jnp.float32) * s_ref[...][:, None]
-  _store_both(q_ref, qt_ref, v, dtype, mask)
+  word_mask = None
+  if packed:  # (cols, block_cols in words: whole words, checked by the caller)
+    word = quantizers.WORD
+    word_mask = True if cols is None else _column_mask(cols // word, block_cols // word, 2)
+  _store_both(q_ref, qt_ref, v, dtype, mask, word_mask)
 
 
 def _cast_transpose_triton(x, row_scale, dtype, block):
@@ -142,22 +153,28 @@ def _cast_transpose_triton(x, row_scale, dtype, block):
   br, bc, warps = (*block, 4)[:3]
   if r % br:
     raise ValueError(f"cast_transpose: {r} rows are not a multiple of the block {block}")
-  return pl.pallas_call(
-      functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype), cols=c if c % bc else None, block_cols=bc),
+  packed = quantizers.packs(x.size)  # FP8 copies of 2^31 elements or more: 32-bit words of four
+  word, out = (quantizers.WORD, jnp.uint32) if packed else (1, dtype)
+  if packed and c % word:
+    raise ValueError(f"cast_transpose: {c} columns are not whole {word}-value words")
+  q, qt = pl.pallas_call(
+      functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype), cols=c if c % bc else None, block_cols=bc,
+                        packed=packed),
       grid=(b, r // br, pl.cdiv(c, bc)),
       in_specs=[
           pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
           pl.BlockSpec((None, br), lambda i, j, k: (i, j)),
       ],
       out_specs=[
-          pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
-          pl.BlockSpec((None, bc, br), lambda i, j, k: (i, k, j)),
+          pl.BlockSpec((None, br, bc // word), lambda i, j, k: (i, j, k)),
+          pl.BlockSpec((None, bc, br // word), lambda i, j, k: (i, k, j)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((b, r, c), dtype), jax.ShapeDtypeStruct((b, c, r), dtype)],
+      out_shape=[jax.ShapeDtypeStruct((b, r, c // word), out), jax.ShapeDtypeStruct((b, c, r // word), out)],
       compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
       interpret=INTERPRET,
       name="temoe_fp8_cast_transpose",
   )(x, row_scale.astype(jnp.float32))
+  return (quantizers.unpack_words(q, dtype), quantizers.unpack_words(qt, dtype)) if packed else (q, qt)
 
 
 def weight_amax(w: jax.Array) -> jax.Array:
@@ -179,15 +196,19 @@ def block_for(shape: tuple[int, ...]):
   return TRITON_BLOCK
 
 
-def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None) -> str:
+def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None,
+            packable: bool = False) -> str:
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
-  (B, R, C) `shape` whose R and C are not multiples of the Triton block): `quantizers.resolve`.
-  elements: the largest array the kernel addresses (default: the shape's)."""
+  (B, R, C) `shape` whose R is not a multiple of the Triton block's rows): `quantizers.resolve`.
+  elements: the largest array the kernel addresses (default: the shape's); packable: the kernel writes
+  outputs of 2^31 elements or more as packed words (cast_transpose's; C must be whole words)."""
   rows = (block or (block_for(shape) if shape else TRITON_BLOCK))[0]
   if elements is None:
     elements = math.prod(shape) if shape else 0
-  # whole row blocks; the columns' last block may be partial (masked)
-  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", (shape[-2],) if shape else (), (rows,), elements)
+  # whole row blocks; the columns' last block may be partial (masked); 2^31 elements or more: packed words
+  packable = packable and bool(shape) and shape[-1] % quantizers.WORD == 0
+  return quantizers.resolve(impl or DEFAULT_IMPL, "cast_transpose", (shape[-2],) if shape else (), (rows,), elements,
+                            packable)
 
 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
@@ -195,7 +216,7 @@ def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None =
 
   block: the Triton kernel's (rows, cols[, warps]) (default: block_for the shape)."""
   block = block or block_for(x.shape)
-  impl = resolve(impl, x.shape, block)
+  impl = resolve(impl, x.shape, block, packable=True)
   if impl == "xla":
     return _cast_transpose_xla(x, row_scale, dtype)
   if impl == "triton":

@@ -784,7 +784,7 @@ def _pad_rows(x, rows):
 
 
 def pad_to(x, shape):
-  """x zero-padded at the end of every dim to `shape` (XLA fuses it into the quantizer reading x)."""
+  """x zero-padded at the end of every dim to `shape` (a copy, unless an XLA fusion consumes it)."""
   pads = [(0, t - d) for d, t in zip(x.shape, shape)]
   return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
@@ -948,7 +948,7 @@ def blockwise_forward(xq4, w, group_sizes, out_dtype, configs: GemmConfigs, sms,
   stored and its 128 x 128 scales for dgrad)."""
   g, k, n = w.shape
   kc, nc = copy_dim(k, "blockwise"), copy_dim(n, "blockwise")
-  wq, wqt, sw = fp8_block.quantize_weights(pad_to(w, (g, kc, nc)), impl=quant)
+  wq, wqt, sw = fp8_block.quantize_weights(w, impl=quant, padded=(kc, nc))  # padded as it reads: no bf16 copy
   # every FP8 copy named `quantization`, those the forward reads too (see _gmm_fwd)
   (xq, sx, xqt, sxt), (wq, wqt, sw) = parts.tag_quantized(*xq4), parts.tag_quantized_weights(wq, wqt, sw)
   y = ragged_rows_matmul(xq, wqt, group_sizes, out_dtype=out_dtype, config=configs.fwd, sms=sms, block_scales=(sx, sw),
