@@ -38,10 +38,12 @@ CPU at a tiny size (no timing meaning).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 
@@ -323,6 +325,7 @@ def main() -> None:
   args = parser.parse_args()
   runs = runs_of(args.paths, args.layers)
   workdir = tempfile.mkdtemp(prefix="proxy-")
+  atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # the runs' outputs: results are copied out
   result = {"command": " ".join(["python", "bench/proxy_1gpu.py", *sys.argv[1:]]), "shipped_config": "configs/deepseek3-proxy-1gpu.yml",
             "stock_moe_flags": STOCK_MOE, "proxy_flags": PROXY, "smoke": args.smoke, "paths": {}}
   os.makedirs(args.out, exist_ok=True)

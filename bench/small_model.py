@@ -27,6 +27,7 @@ CPU kernel there: MaxText's own ragged_dot stands in; FP8 paths need a GPU).
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import json
 import os
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.analyse:
     return analyse(args.analyse)
   workdir = tempfile.mkdtemp(prefix="small-model-")
+  atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # the runs' outputs: results are copied out
   extra = [*(SMOKE if args.smoke else []), *overrides]
   window = min(args.loss_window, args.steps - training_runs.STEADY_FROM) if args.data == "learnable" else 0
   if args.data == "learnable":
