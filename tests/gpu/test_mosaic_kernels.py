@@ -323,7 +323,8 @@ def test_packed_fp8_outputs_match_xla(monkeypatch):
   """FP8 copies of 2^31 elements or more are written as 32-bit words (quantizers.pack_words): with the
   threshold lowered, the blockwise weights' quantizer and the cast-transpose (a masked column tail too) run
   their packed Triton forms, bit-equal to XLA's (quantizers.PACKED_IN_AUTO waits on this and a timing); and
-  a real one, 128 experts of 2944 x 5760 (the 2880-dim layer's padded wi, 2.17e9 elements)."""
+  a real one, 128 experts of 2880 x 5760 padded as read to 2944 x 5760 (the 2880-dim layer's wi: 2.17e9
+  elements)."""
   from temoe.moe.experts import fp8_block, quantizers  # pylint: disable=import-outside-toplevel
 
   w = jax.random.normal(jax.random.key(0), (4, 512, 640), jnp.float32).astype(jnp.bfloat16)
@@ -336,10 +337,10 @@ def test_packed_fp8_outputs_match_xla(monkeypatch):
       for got, want in zip(fq.cast_transpose(w[..., :cols], scale, fq.E4M3, "triton"),
                            fq.cast_transpose(w[..., :cols], scale, fq.E4M3, "xla")):
         np.testing.assert_array_equal(f32(got), f32(want))
-  big = jax.random.normal(jax.random.key(1), (128, 2944, 5760), jnp.bfloat16)
-  assert quantizers.packs(big.size)
-  got = jax.jit(lambda a: fp8_block.quantize_weights(a, impl="triton"))(big)
-  want = jax.jit(lambda a: fp8_block.quantize_weights(a, impl="xla"))(big)
+  big = jax.random.normal(jax.random.key(1), (128, 2880, 5760), jnp.bfloat16)
+  assert quantizers.packs(128 * 2944 * 5760) and not quantizers.packs(big.size)
+  got = jax.jit(lambda a: fp8_block.quantize_weights(a, impl="triton", padded=(2944, 5760)))(big)
+  want = jax.jit(lambda a: fp8_block.quantize_weights(a, impl="xla", padded=(2944, 5760)))(big)
   for g, e in zip(got, want):
     assert g.shape == e.shape and bool(jnp.all(g.astype(jnp.float32) == e.astype(jnp.float32)))
 

@@ -2,7 +2,8 @@
 # A one-node Slurm cluster for tests: tests/slurm/cluster.sh start|stop DIR
 # start: installs Debian's slurmctld, slurmd, slurm-client and munge (skipped when present), writes
 # DIR/slurm.conf (this host, 2 CPUs, no cgroups; a requeued job is eligible again after cred_expire + 1 =
-# 11 s, not Slurm's default 121 s, and the scheduler passes over the queue every 2 s, not 60 s: the
+# 31 s, not Slurm's default 121 s (cred_expire also bounds a job step's launch, so not much shorter on a
+# loaded 2-core host), and the scheduler passes over the queue every 2 s, not 60 s: the
 # requeue test would otherwise wait ~3 minutes idle), starts munged, slurmctld and slurmd as root without
 # systemd, and waits until the node is idle. Clients need SLURM_CONF=DIR/slurm.conf.
 # stop: ends the daemons this script started, by the PIDs it recorded in DIR.
@@ -44,7 +45,7 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket=$munge_dir/munge.socket,cred_expire=10
+AuthInfo=socket=$munge_dir/munge.socket,cred_expire=30
 StateSaveLocation=$dir/ctld
 SlurmdSpoolDir=$dir/slurmd
 SlurmctldPidFile=$dir/slurmctld.pid

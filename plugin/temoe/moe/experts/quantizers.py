@@ -1,8 +1,9 @@
 """Which implementation an FP8 quantizer runs, one rule for `fp8_quant` (per-expert current scaling) and
-`fp8_block` (DeepSeek-V3's block scales): its Pallas Triton kernel on a GPU when the operand is whole
-kernel tiles, XLA's expression of the same math elsewhere and for other shapes; an explicit "triton" on
-a shape that is not whole tiles is refused rather than run on a partial tile. Also how their kernels write
-FP8 outputs too large for 32-bit element offsets (packed words)."""
+`fp8_block` (DeepSeek-V3's block scales): its Pallas Triton kernel on a GPU when the operand's dims are
+whole blocks where the kernel needs them (fp8_block: both; fp8_quant's cast-transpose: rows, its last
+column block masked), XLA's expression of the same math elsewhere and for other shapes; an explicit
+"triton" on a shape the kernel cannot take is refused rather than run on a partial tile. Also how their
+kernels write FP8 outputs too large for 32-bit element offsets (packed words)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ MAX_ELEMENTS = 2**31
 """The largest array a Triton quantizer writes as one-byte FP8 values, in elements: Pallas' Triton lowering
 computes element offsets in 32-bit signed arithmetic unless an array is over 2^32 bytes, so a one-byte
 array of 2^31 to 2^32 elements would wrap. Larger FP8 outputs are written as 32-bit words of four values
-(`pack_words`; a quarter of the elements, the same bytes) and read back as FP8 by a bitcast (`unpack_words`,
-free in XLA)."""
+(`pack_words`; a quarter of the elements, the same bytes) and read back as FP8 by a bitcast (`unpack_words`)."""
 WORD = 4  # FP8 values per packed 32-bit word
 PACKED_IN_AUTO = False
 """Whether `auto` takes the packed Triton kernels for outputs of MAX_ELEMENTS or more (else XLA's form, as
