@@ -115,15 +115,15 @@ def _load(ref, mask):
   return pltriton.load(ref, mask=mask[None, :], other=0)
 
 
-def _store_both(q_ref, qt_ref, v, dtype, mask, word_mask=None):
+def _store_both(q_ref, qt_ref, v, dtype, mask, packed=False, word_mask=None):
   """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written).
-  word_mask: the outputs are 32-bit words of four values along their minor dim (quantizers.pack_words), and
-  of q's words those that exist (columns are whole words); True where no column is missing."""
+  packed: the outputs are 32-bit words of four values along their minor dim (quantizers.pack_words), and
+  word_mask, with a tail block, which of q's words exist (columns are whole words)."""
   fmax = FMAX[jnp.dtype(dtype)]
   v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
   q, qt = v.astype(dtype), v.T.astype(dtype)
   q_mask = mask
-  if word_mask is not None:
+  if packed:
     q, qt = quantizers.pack_words(q), quantizers.pack_words(qt)
     q_mask = word_mask
   if mask is None:
@@ -140,10 +140,9 @@ def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_co
   mask = _column_mask(cols, block_cols, 2)
   v = _load(x_ref, mask).astype(jnp.float32) * s_ref[...][:, None]
   word_mask = None
-  if packed:  # (cols, block_cols in words: whole words, checked by the caller)
-    word = quantizers.WORD
-    word_mask = True if cols is None else _column_mask(cols // word, block_cols // word, 2)
-  _store_both(q_ref, qt_ref, v, dtype, mask, word_mask)
+  if packed and cols is not None:  # cols in words: whole words, checked by the caller
+    word_mask = _column_mask(cols // quantizers.WORD, block_cols // quantizers.WORD, 2)
+  _store_both(q_ref, qt_ref, v, dtype, mask, packed, word_mask)
 
 
 def _cast_transpose_triton(x, row_scale, dtype, block):
@@ -189,20 +188,13 @@ def cast_experts(w: jax.Array, scales: jax.Array, dtype) -> jax.Array:
   return _saturate(w.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, None], dtype)
 
 
-def block_for(shape: tuple[int, ...]):
-  """The Triton block of a (B, R, C) operand: TRITON_BLOCK (a last column block past C masked; R must be whole
-  blocks, or the implementation falls back to XLA)."""
-  del shape
-  return TRITON_BLOCK
-
-
 def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None,
             packable: bool = False) -> str:
   """The cast-transpose implementation `impl` names ("auto": triton on a GPU, xla elsewhere and for a
   (B, R, C) `shape` whose R is not a multiple of the Triton block's rows): `quantizers.resolve`.
   elements: the largest array the kernel addresses (default: the shape's); packable: the kernel writes
   outputs of 2^31 elements or more as packed words (cast_transpose's; C must be whole words)."""
-  rows = (block or (block_for(shape) if shape else TRITON_BLOCK))[0]
+  rows = (block or TRITON_BLOCK)[0]
   if elements is None:
     elements = math.prod(shape) if shape else 0
   # whole row blocks; the columns' last block may be partial (masked); 2^31 elements or more: packed words
@@ -214,8 +206,8 @@ def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, 
 def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
   """(q, q^T): x (B, R, C) times row_scale (B, R), saturated to `dtype`; q^T is (B, C, R).
 
-  block: the Triton kernel's (rows, cols[, warps]) (default: block_for the shape)."""
-  block = block or block_for(x.shape)
+  block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK)."""
+  block = block or TRITON_BLOCK
   impl = resolve(impl, x.shape, block, packable=True)
   if impl == "xla":
     return _cast_transpose_xla(x, row_scale, dtype)
@@ -248,7 +240,7 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
   monotonically, so max |src[t] * w| = max |src[t]| * |w| in floating point as well. Returns
   (q (rows, d), q^T (d, rows), scales (G,)), bit-equal to quantize_rows of the buffer (a NaN gives its
   experts scale 1 here always; XLA:CPU's max over an fp32 buffer may skip it, its GPU max does not).
-  block: the Triton kernel's (rows, cols[, warps]) (default: block_for the buffer's shape)."""
+  block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK)."""
   tokens = src.shape[0]
   real = index < tokens
   slot_amax = jnp.where(real, jnp.max(jnp.abs(src), axis=1).astype(jnp.float32)[jnp.where(real, index, 0)], 0.0)
@@ -258,7 +250,7 @@ def quantize_gathered(src: jax.Array, index: jax.Array, tile_expert: jax.Array, 
                    dtype)
   row_scale = jnp.repeat(jnp.where(tile_expert >= 0, s[jnp.maximum(tile_expert, 0)], 1.0), TILE_ROWS)
   shape = (1, index.shape[0], src.shape[1])
-  block = block or block_for(shape)
+  block = block or TRITON_BLOCK
   if resolve(impl, shape, block, max(index.shape[0], src.shape[0]) * src.shape[1]) == "xla":  # src read by index too
     q, qt = _cast_transpose_xla(fp8_block.gather_rows(src, index, weight), row_scale, dtype)
   else:
