@@ -214,7 +214,7 @@ def _quantized(p: Problem, ops, scaling: str):
     for name in ("x", "act", "dy_up", "dy_down", "wi", "wo"):
       out[name] = (ops[name], None, f32(ops[name]))
     return out
-  # grouped_matmul's FP8 copies: padded to copy_dim (current scaling keeps whole 64s, blockwise pads to 128s)
+  # grouped_matmul's FP8 copies: padded to copy_dim (whole 128s for both FP8 scalings)
   ops = {k: mz.pad_to(v, (*v.shape[:-2], *(mz.copy_dim(d, scaling) if i or v.ndim == 3 else d
                                            for i, d in enumerate(v.shape[-2:]))))
          for k, v in ops.items()}
@@ -326,8 +326,8 @@ def gemm_dims(form, a, b, static):
 
 def with_default(configs, form, scaling, a, b, static):
   """The configs to sweep for one GEMM: grouped_matmul's default for it first, then the list's, each
-  current-scaling config over a contraction of whole 64s but not 128s in 64-element k-blocks (twice the
-  stages, as the default takes them)."""
+  current-scaling config over a contraction of whole 64s but not 128s (an unpadded copy, only where one is
+  passed explicitly: grouped_matmul pads to 128s) in 64-element k-blocks, twice the stages."""
   m_out, n_out, contract = gemm_dims(form, a, b, static)
   out = [mz.default_config(form, scaling, n_out, m_out, contract)]
   for cfg in configs:

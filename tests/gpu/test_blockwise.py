@@ -257,8 +257,8 @@ def test_blockwise_fwd_bwd_hlo_stays_on_device():
 
 @pytest.mark.parametrize("scaling, k, n", [
     ("none", 704, 320),  # whole 64s: bf16 reads them as stored, its last tiles run past N and K
-    ("current", 704, 320),  # whole 64s: unpadded FP8 copies, 64-element k-blocks, outputs at the true dims
-    ("current", 720, 368),  # multiples of 16: copies padded to 768 x 384, outputs sliced
+    ("current", 704, 320),  # copies padded to 768 x 384 (the weights' as the cast reads them), outputs at the true dims
+    ("current", 720, 368),  # multiples of 16: the same, outputs sliced
     ("blockwise", 704, 320),  # copies padded to 768 x 384, outputs written at the true dims
     ("blockwise", 720, 368),
 ])

@@ -322,7 +322,7 @@ def test_cast_transpose_kernel_matches_xla(quant):
 def test_packed_fp8_outputs_match_xla(monkeypatch):
   """FP8 copies of 2^31 elements or more are written as 32-bit words (quantizers.pack_words): with the
   threshold lowered, the blockwise weights' quantizer and the cast-transpose (a masked column tail too) run
-  their packed Triton forms, bit-equal to XLA's (quantizers.PACKED_IN_AUTO waits on this and a timing); and
+  their packed Triton forms, bit-equal to XLA's (`auto` takes them on a GPU); and
   a real one, 128 experts of 2880 x 5760 padded as read to 2944 x 5760 (the 2880-dim layer's wi: 2.17e9
   elements)."""
   from temoe.moe.experts import fp8_block, quantizers  # pylint: disable=import-outside-toplevel

@@ -22,8 +22,7 @@ from temoe.moe.experts import mosaic_gemm as mz  # noqa: E402  # pylint: disable
                                                      ("current", "smoke64", 0), ("blockwise", "smoke64", 0)])
 def test_sweep_matches_float32_in_every_gemm(scaling, shape, configs, monkeypatch):
   """Each GEMM's default config (swept first; on smoke also the list's first), on whole-128 dims and on
-  dims of whole 64s (current scaling's copies unpadded, 64-element k-blocks; blockwise's padded to 128s;
-  bf16's tiles past the end of N and K)."""
+  dims of whole 64s (both FP8 scalings' copies padded to 128s; bf16's tiles past the end of N and K)."""
   monkeypatch.setattr(mz, "num_sms", lambda: 2)
   monkeypatch.setattr(bench, "timed", lambda fn, *args: (jax.block_until_ready(fn(*args)), 1.0)[1])  # no timing here
   p = bench.make_problem(shape)
@@ -41,6 +40,5 @@ def test_sweep_matches_float32_in_every_gemm(scaling, shape, configs, monkeypatc
       assert best is not None
       bound = 1e-2 if scaling == "none" else 0.1  # against float32 on the bf16 originals: the recipe's rounding
       assert res["best"]["recipe_rel_err_vs_bf16"] < bound, (name, res["best"])
-  if scaling == "current":  # the 192-deep contractions ran in 64-element k-blocks, on unpadded copies
-    assert specs["gateup_fwd"][1].shape[1] == 192 and specs["down_fwd"][1].shape[1] == 192
-    assert mz.default_config("rows", scaling, 192, contract=192).block_k == 64
+  if scaling != "none":  # the 192-deep contractions ran on copies padded to 256, in 128-element k-blocks
+    assert specs["gateup_fwd"][1].shape[1] == 256 and specs["down_fwd"][1].shape[1] == 256

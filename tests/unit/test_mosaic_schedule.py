@@ -164,7 +164,8 @@ def test_default_config_divides_the_shapes():
   assert mz.default_config("rows", "none", 320).block_n == 128
   wgrad = mz.default_config("contract", "none", 2880, 2880)
   assert (wgrad.block_m, wgrad.compute_wgs, wgrad.block_n) == (128, 2, 256)
-  # current scaling contracting over whole 64s but not 128s (2880): 64-element k-blocks, twice the stages
+  # an explicit current-scaling contraction over whole 64s but not 128s (an unpadded copy: grouped_matmul
+  # pads its copies to 128s, recipes.mosaic_copy_dim): 64-element k-blocks, twice the stages
   for k, block_k in ((2880, 64), (2944, None), (7168, None)):
     cfg = mz.default_config("rows", "current", 4096, contract=k)
     assert cfg.block_k == block_k and cfg.stages == (8 if block_k else 4)
@@ -262,6 +263,19 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
   with pytest.raises(ValueError, match="multiples of 64"):  # rows are whole blocks
     fq.resolve("triton", (2, 2880 + 16, 2880))
+  # the weights' copies zero-padded as the kernel reads them (rows and columns past x's ends masked), as
+  # a 2880-dim layer's are to whole 128s: bit-equal to XLA's cast of the padded copy, zeros past the ends
+  for rows, cols, padded in ((100, 200, (128, 256)), (128, 192, (128, 256)), (72, 256, (128, 384))):
+    part = x[:, :rows, :cols]
+    ref = fq.cast_transpose(part, scale, mz.E4M3, "xla", padded=padded)
+    ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3, 4, 5))(part, scale, mz.E4M3, "triton", None, padded)
+    assert ours[0].shape == (2, *padded) and ours[1].shape == (2, padded[1], padded[0])
+    for got, want in zip(ours, ref):
+      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert not np.asarray(ours[0].astype(jnp.float32))[:, rows:].any()
+    assert not np.asarray(ours[0].astype(jnp.float32))[:, :, cols:].any()
+  with pytest.raises(ValueError, match="smaller than"):
+    fq.cast_transpose(x, scale, mz.E4M3, "xla", padded=(64, 256))
 
 
 # ---------------------------------------------------------------------------------- kernels (interpret)
@@ -372,24 +386,28 @@ def grouped_matmul_grads(scaling, x, w, cot, sms=2):
   return tuple(np.asarray(a.astype(jnp.float32)) for a in (y, dx, dw))
 
 
-def test_current_scaling_on_dims_of_whole_64s_keeps_its_copies_unpadded():
-  """K = 192 and N = 320 are whole 64-element blocks, not 128s: current scaling's FP8 copies keep the true
-  dims (no pad, no slice in the program), the forward and dgrad contract in 64-element k-blocks, and the
-  outputs' last tiles run past N and K (stores clipped): still the recipe's result, exactly."""
+def test_current_scaling_pads_its_copies_to_whole_128s_as_the_cast_reads_the_weights():
+  """K = 192 and N = 320 are not whole 128s: current scaling's FP8 copies are zero-padded to 256 and 384
+  (every GEMM contracts in 128-element k-blocks), the weights' by the cast as it reads them (no padded
+  bf16 copy of w in the program), and the outputs come back at the true dims (the last tiles' stores
+  clipped): still the recipe's result, exactly."""
   m, k, n = ROWS, 192, 320
   kx, kw, kc = jax.random.split(jax.random.key(6), 3)
   x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
   w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
   cot = jax.random.normal(kc, (m, n)).at[USED:].set(0)
-  assert [mz.copy_dim(d, "current") for d in (k, n)] == [192, 320]
-  assert mz.default_config("rows", "current", n, contract=k).block_k == 64
+  assert [mz.copy_dim(d, "current") for d in (k, n)] == [256, 384]
+  assert mz.default_config("rows", "current", n, contract=256).block_k is None  # 128 FP8 elements
   grads = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(
-      mz.grouped_matmul(x, w, jnp.asarray(SIZES), scaling="current", sms=2).astype(jnp.float32)), argnums=(0, 1)))
-  program = grads.trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
-  fp8_shapes = set(re.findall(r"tensor<([0-9x]+)xf8E(?:4M3FN|5M2)>", program))
-  assert {"4x192x320", "4x320x192", "512x192", "192x512", "512x320", "320x512"} <= fp8_shapes, fp8_shapes
-  assert not any(d in ("256", "384") for shape in fp8_shapes for d in shape.split("x")), fp8_shapes
-  assert "stablehlo.pad" not in program
+      mz.grouped_matmul(x, w, jnp.asarray(SIZES), scaling="current", sms=2, quant="triton").astype(jnp.float32)),
+      argnums=(0, 1)))
+  program = str(grads.trace(x, w).jaxpr)  # the Triton kernels lower only on a GPU: their jaxpr here
+  fp8_shapes = set(re.findall(r"f8_e(?:4m3fn|5m2)\[([0-9,]+)\]", program))
+  assert {"4,256,384", "4,384,256", "512,256", "256,512", "512,384", "384,512"} <= fp8_shapes, fp8_shapes
+  pads = re.findall(r"pad\[[^\]]*\] (\w+)", program)
+  padded_shapes = {re.search(rf"\b{v}:(\w+\[[0-9,]+\])", program).group(1) for v in pads}
+  assert "bf16[4,192,320]" not in padded_shapes, padded_shapes  # no padded bf16 copy of the weights:
+  assert "bf16[4,256,384]" not in program  # the cast pads as it reads, the backward's cast pads its FP8 copy
   y, dx, dw = grouped_matmul_grads("current", x, w, cot)
   assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (4, k, n)
   assert all(np.isfinite(a).all() for a in (y, dx, dw))

@@ -32,9 +32,9 @@ x's shape; not timed alone); each weight once per step into both layouts, wi 1.3
 (2.2-2.7 TB/s). Weights whose dims are not whole 128s are read as they are, the kernel's blocks past their
 ends masked (`quantize_weights(padded=...)`), where a zero-padded bf16 copy of them was a pass of its own
 (1.3 ms of the 2880-dim layer's wo in an H200 profile, bench/results/layer_profile/gpt_oss_like.blockwise_xla_wi.json).
-FP8 copies of 2^31 elements or more (that layer's padded wi) can be written as 32-bit words
-(quantizers.pack_words); `auto` takes XLA's form for them (3.7 + 1.8 + 1.1 ms there) until the packed
-kernels are timed on a GPU (quantizers.PACKED_IN_AUTO). The per-element division they had before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms
+FP8 copies of 2^31 elements or more (that layer's padded wi) are written as 32-bit words
+(quantizers.pack_words): 3.35 ms for that wi against 3.7 + 1.8 + 1.1 in XLA's form, and the layer 15.62 ms
+against 18.66 (bench/results/moe_layer.gpt_oss_like.blockwise_packed.json, _unpacked.json). The per-element division they had before cost 1.50 / 0.56 / 0.88 / 1.54 / 0.88 ms
 (x, h, the activation's gradient, wi, wo) in the same call. `quantize_gathered` fuses two of them
 into their producers' reads: x's rows gathered from the tokens, and dy's from the tokens' gradient
 times the routing weights (`mosaic_tokens`, the default on one device: 26.9 against 27.9 ms for the

@@ -46,9 +46,9 @@ TILE_ROWS = 128  # the kernels' row alignment: no tile straddles two experts
 IMPLS = quantizers.IMPLS
 DEFAULT_IMPL = "auto"  # triton on a GPU (measured 1.1-1.4x XLA's fusion alone, 2.1-2.6x in the layer), xla elsewhere
 # Pallas Triton cast-transpose block (rows, cols, warps): 64 x 128 bf16 in, two 8 KiB FP8 tiles out. An
-# operand whose columns are not whole 128s (current scaling's copies of such dims are not padded:
-# mosaic_gemm.copy_dim) takes the same block, its last column block masked (loads past the end read 0,
-# stores past it are dropped). Measured on the H200 on the 2880-dim layer's operands, one call, each
+# operand whose columns are not whole 128s takes the same block, its last column block masked (loads past
+# the end read 0, stores past it are dropped); the weights' copies, padded to whole 128s (mosaic_gemm.copy_dim),
+# are read with rows and columns past w's ends masked (`cast_transpose(padded=...)`: no padded bf16 copy). Measured on the H200 on the 2880-dim layer's operands, one call, each
 # bit-equal to XLA (bench/results/fp8_quant.gpt_oss_like.masked.json): wo's cast with its amax 2.16 ms
 # against 2.39 with the 64 x 64 blocks it took before, h 0.44 / 0.48, dy 0.47 / 0.50, x 0.54 / 0.53
 # (128 x 64, 8 warps), x gathered from the tokens 0.35 / 0.33: 3.96 ms against 4.23 in all. Whether the
@@ -136,29 +136,40 @@ def _store_both(q_ref, qt_ref, v, dtype, mask, packed=False, word_mask=None):
   pltriton.store(qt_ref, qt, mask=mask[:, None])
 
 
-def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_cols, packed):
-  mask = _column_mask(cols, block_cols, 2)
-  v = _load(x_ref, mask).astype(jnp.float32) * s_ref[...][:, None]
+def _cast_transpose_kernel(x_ref, s_ref, q_ref, qt_ref, *, dtype, cols, block_cols, packed, dims=None):
+  mask = _column_mask(cols, block_cols, 2)  # the output's columns (a tail block's missing ones not written)
+  if dims is None:
+    v = _load(x_ref, mask)
+  else:  # x is (R, C) = dims, read as blocks of its zero-padded copy: past its ends zeros, without the copy
+    from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
+
+    br, bc = x_ref.shape
+    row = pl.program_id(1) * br + jnp.arange(br)
+    col = pl.program_id(2) * bc + jnp.arange(bc)
+    v = pltriton.load(x_ref, mask=(row < dims[0])[:, None] & (col < dims[1])[None, :], other=0)
+  v = v.astype(jnp.float32) * s_ref[...][:, None]
   word_mask = None
   if packed and cols is not None:  # cols in words: whole words, checked by the caller
     word_mask = _column_mask(cols // quantizers.WORD, block_cols // quantizers.WORD, 2)
   _store_both(q_ref, qt_ref, v, dtype, mask, packed, word_mask)
 
 
-def _cast_transpose_triton(x, row_scale, dtype, block):
+def _cast_transpose_triton(x, row_scale, dtype, block, padded=None):
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
 
-  b, r, c = x.shape
+  b = x.shape[0]
+  r, c = padded or x.shape[1:]
+  dims = None if (r, c) == x.shape[1:] else x.shape[1:]
   br, bc, warps = (*block, 4)[:3]
   if r % br:
     raise ValueError(f"cast_transpose: {r} rows are not a multiple of the block {block}")
-  packed = quantizers.packs(x.size)  # FP8 copies of 2^31 elements or more: 32-bit words of four
+  packed = quantizers.packs(b * r * c)  # FP8 copies of 2^31 elements or more: 32-bit words of four
   word, out = (quantizers.WORD, jnp.uint32) if packed else (1, dtype)
   if packed and c % word:
     raise ValueError(f"cast_transpose: {c} columns are not whole {word}-value words")
   q, qt = pl.pallas_call(
       functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype), cols=c if c % bc else None, block_cols=bc,
-                        packed=packed),
+                        packed=packed, dims=dims),
       grid=(b, r // br, pl.cdiv(c, bc)),
       in_specs=[
           pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
@@ -181,11 +192,15 @@ def weight_amax(w: jax.Array) -> jax.Array:
   return jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32)
 
 
-def cast_experts(w: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+def cast_experts(w: jax.Array, scales: jax.Array, dtype, padded: tuple[int, int] | None = None) -> jax.Array:
   """w_q (G, K, N) of `quantize_experts` from its scales, without the transposed copy or the amax: the same
   values bit for bit, whichever implementation made the forward's (the backward's dgrad reads w_q; the
-  scales were kept from the forward)."""
-  return _saturate(w.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, None], dtype)
+  scales were kept from the forward). padded (Kp, Np): w_q zero-padded to these dims (the FP8 copy is
+  padded, in the same fusion: no padded bf16 copy of w)."""
+  q = _saturate(w.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, None], dtype)
+  if padded is None or tuple(padded) == w.shape[1:]:
+    return q
+  return jnp.pad(q, ((0, 0), (0, padded[0] - w.shape[1]), (0, padded[1] - w.shape[2])))
 
 
 def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, elements: int | None = None,
@@ -203,16 +218,24 @@ def resolve(impl: str | None, shape: tuple[int, ...] | None = None, block=None, 
                             packable)
 
 
-def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None):
+def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None,
+                   padded: tuple[int, int] | None = None):
   """(q, q^T): x (B, R, C) times row_scale (B, R), saturated to `dtype`; q^T is (B, C, R).
 
-  block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK)."""
+  block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK). padded (Rp, Cp) >= (R, C):
+  the copies of x zero-padded to these dims (row_scale (B, Rp)), read from x as it is (the Triton kernel
+  masks its reads past x's ends: no padded bf16 copy of the weights; XLA's form pads first)."""
   block = block or TRITON_BLOCK
-  impl = resolve(impl, x.shape, block, packable=True)
+  b, r, c = x.shape
+  rp, cp = padded or (r, c)
+  if rp < r or cp < c:
+    raise ValueError(f"cast_transpose: padded {padded} is smaller than x's ({r}, {c})")
+  impl = resolve(impl, (b, rp, cp), block, packable=True)
   if impl == "xla":
-    return _cast_transpose_xla(x, row_scale, dtype)
+    return _cast_transpose_xla(jnp.pad(x, ((0, 0), (0, rp - r), (0, cp - c))) if (rp, cp) != (r, c) else x,
+                               row_scale, dtype)
   if impl == "triton":
-    return _cast_transpose_triton(x, row_scale, dtype, block)
+    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp))
   raise AssertionError(impl)
 
 

@@ -79,7 +79,7 @@ class TileConfig:
   """One kernel's tile shape. block_m x block_n is the CTA's output tile; compute_wgs wgmma
   warpgroups split its rows (each owns block_m // compute_wgs rows, a multiple of 64); block_k is
   the contraction per pipeline stage, 128 or 64 bytes of the operand dtype (None: 128; 64 lets FP8
-  contract over dims of whole 64s without a padded copy, at half the work per stage); stages is the depth of
+  contract over an unpadded copy of whole 64s, at half the work per stage: for_contraction); stages is the depth of
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
@@ -152,7 +152,8 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # 64-element k-blocks), swept on the 2880-dim shape (bench/results/mosaic_gemm_bf16.gpt_oss_like.json,
 # mosaic_gemm.gpt_oss_like.json): bf16's defaults best in five of six GEMMs (425-463 TFLOP/s; the down
 # wgrad 366 against 399 with 128-wide tiles), 64-wide tiles 280-356; FP8's 64-element k-blocks 634-638
-# against 840 for the 128-element gate/up dgrad of the same shape.
+# against 840 for the 128-element gate/up dgrad of the same shape, so FP8 copies are padded to 128s
+# (the layer 14.73 against 15.17 ms: bench/results/moe_layer.gpt_oss_like.padded128.json, kblock64.json).
 _DEFAULTS = {
     ("rows", "current"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
     ("rows", "none"): TileConfig(block_m=128, block_n=256, stages=4, compute_wgs=2, grid_block_n=4),
@@ -188,8 +189,7 @@ def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None
                    contract: int | None = None) -> TileConfig:
   """The default TileConfig for a kernel form ("rows": fwd/dgrad, "contract": wgrad) and scaling
   whose output has n_out columns (and, for "contract", m_out rows), contracting over `contract`
-  elements: FP8 with current scaling over a contraction of whole 64-element blocks but not 128-element
-  ones (such copies are not padded: recipes.mosaic_copy_dim) takes 64-element k-blocks, twice the stages."""
+  elements: `for_contraction`'s k-blocks."""
   if scaling not in SCALINGS:
     raise ValueError(f"scaling {scaling!r}: choose one of {', '.join(SCALINGS)}")
   cfg = _DEFAULTS[(form, scaling)]
@@ -203,8 +203,9 @@ def default_config(form: str, scaling: str, n_out: int, m_out: int | None = None
 
 def for_contraction(cfg: TileConfig, scaling: str, contract: int) -> TileConfig:
   """`cfg` for a GEMM contracting over `contract` elements: current scaling over whole 64s but not 128s
-  (copies not padded: recipes.mosaic_copy_dim) in 64-element k-blocks, twice the stages (the same bytes
-  in flight); any other config as it is."""
+  in 64-element k-blocks, twice the stages (the same bytes in flight); any other config as it is.
+  grouped_matmul's copies are whole 128s (recipes.mosaic_copy_dim: 64-element k-blocks measured 634-638
+  TFLOP/s against 840 on the H200), so this serves a caller passing an unpadded copy (bench/mosaic_gemm.py)."""
   if scaling == "current" and contract % _SWIZZLE and cfg.block_k is None:  # 128 FP8 elements
     return dataclasses.replace(cfg, block_k=_SWIZZLE // 2, stages=2 * cfg.stages)
   return cfg
@@ -853,7 +854,7 @@ def _gmm_fwd(x, w, group_sizes, scaling, out_dtype, configs, sms, quant, keep_fp
   protos = (jnp.zeros((0, k), x.dtype), jnp.zeros((0, k, n), w.dtype))
   if scaling == "current":
     # x cast once into both layouts: x_q for the forward, x_q^T (tokens contiguous) kept for wgrad.
-    # The copies are padded in K and N only where those are not whole 64-element k-blocks (copy_dim).
+    # The copies are padded in K and N where those are not whole 128-element k-blocks (copy_dim).
     tiles = tile_groups(group_sizes, mp // ROW_ALIGNMENT, ROW_ALIGNMENT)
     xq3 = fp8_quant.quantize_rows(pad_to(x, (mp, copy_dim(k, scaling))), tiles, w.shape[0], E4M3, quant)
     y, fp8_res = current_forward(xq3, w, group_sizes, out_dtype, configs, sms, quant, keep_fp8_weights)
@@ -906,11 +907,11 @@ def current_forward(xq3, w, group_sizes, out_dtype, configs: GemmConfigs, sms, q
   the residuals `current_backward` takes)."""
   g, k, n = w.shape
   kc, nc = copy_dim(k, "current"), copy_dim(n, "current")
-  wp = pad_to(w, (g, kc, nc))
   # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
   xq, xqt, sx = parts.tag_quantized(*xq3)
-  sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(wp), E4M3))
-  wq, wqt = fp8_quant.cast_transpose(wp, jnp.broadcast_to(sw[:, None], wp.shape[:2]), E4M3, quant)
+  sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(w), E4M3))
+  # both copies zero-padded to (Kc, Nc) as the cast reads w: no padded bf16 copy of the weights
+  wq, wqt = fp8_quant.cast_transpose(w, jnp.broadcast_to(sw[:, None], (g, kc)), E4M3, quant, padded=(kc, nc))
   if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
     wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
     w_res = wq
@@ -932,7 +933,7 @@ def current_backward(res, dyq3, group_sizes, x_dtype, w_dtype, configs: GemmConf
   dyq, dyqt, sdy = dyq3
   kc, nc = copy_dim(k, "current"), copy_dim(n, "current")
   if not keep_fp8_weights:
-    wq = fp8_quant.cast_experts(pad_to(wq, (wq.shape[0], kc, nc)), sw, E4M3)
+    wq = fp8_quant.cast_experts(wq, sw, E4M3, padded=(kc, nc))
   dx = ragged_rows_matmul(dyq, wq, group_sizes, 1.0 / (sdy * sw), out_dtype=x_dtype, config=configs.dgrad,
                           sms=sms, n_out=out_dim(k, kc, x_dtype))
   dw = ragged_contract_matmul(xqt, dyqt, group_sizes, 1.0 / (sx * sdy), out_dtype=w_dtype, config=configs.wgrad,
