@@ -274,6 +274,10 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
       np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     assert not np.asarray(ours[0].astype(jnp.float32))[:, rows:].any()
     assert not np.asarray(ours[0].astype(jnp.float32))[:, :, cols:].any()
+    # q^T alone (the forward's weight copy where the backward casts w_q again): the same bits, both forms
+    for impl in ("triton", "xla"):
+      alone = jax.jit(fq.cast_transposed, static_argnums=(2, 3, 4, 5))(part, scale, mz.E4M3, impl, None, padded)
+      np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
   with pytest.raises(ValueError, match="smaller than"):
     fq.cast_transpose(x, scale, mz.E4M3, "xla", padded=(64, 256))
 

@@ -91,6 +91,8 @@ def test_fp8_copies_of_2_31_elements_or_more_are_written_as_32_bit_words(monkeyp
                        fp8_quant.cast_transpose(w[:, :200, :300], scale, fp8_quant.E4M3, "xla", padded=(256, 384))):
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  alone = fp8_quant.cast_transposed(w[:, :200, :300], scale, fp8_quant.E4M3, "triton", padded=(256, 384))  # q^T alone
+  np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
   with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):  # columns not whole words: not packed
     fp8_quant.cast_transpose(w[:, :, :202], scale, fp8_quant.E4M3, "triton")
   monkeypatch.setattr(quantizers.jax, "default_backend", lambda: "gpu")

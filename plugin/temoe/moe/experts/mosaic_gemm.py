@@ -910,13 +910,14 @@ def current_forward(xq3, w, group_sizes, out_dtype, configs: GemmConfigs, sms, q
   # Every copy is named `quantization`: a policy that keeps them runs a recomputed forward from them.
   xq, xqt, sx = parts.tag_quantized(*xq3)
   sw = parts.tag_weight_scales(fp8_quant.group_scales(fp8_quant.weight_amax(w), E4M3))
-  # both copies zero-padded to (Kc, Nc) as the cast reads w: no padded bf16 copy of the weights
-  wq, wqt = fp8_quant.cast_transpose(w, jnp.broadcast_to(sw[:, None], (g, kc)), E4M3, quant, padded=(kc, nc))
+  # the copies zero-padded to (Kc, Nc) as the cast reads w: no padded bf16 copy of the weights
+  row_scale = jnp.broadcast_to(sw[:, None], (g, kc))
   if keep_fp8_weights:  # te_moe_fp8_weights=device|offload: the backward reads the forward's w_q
+    wq, wqt = fp8_quant.cast_transpose(w, row_scale, E4M3, quant, padded=(kc, nc))
     wq, wqt, sw = parts.tag_quantized_weights(wq, wqt, sw)
     w_res = wq
-  else:  # the backward casts w again from the saved scales: one pass, no amax, no transposed copy
-    (wqt,) = parts.tag_quantized(wqt)
+  else:  # the backward casts w again from the saved scales (one pass, no amax): the forward writes w_q^T alone
+    (wqt,) = parts.tag_quantized(fp8_quant.cast_transposed(w, row_scale, E4M3, quant, padded=(kc, nc)))
     w_res = w
   y = ragged_rows_matmul(xq, wqt, group_sizes, 1.0 / (sx * sw), out_dtype=out_dtype, config=configs.fwd, sms=sms,
                          n_out=out_dim(n, nc, out_dtype))
