@@ -40,7 +40,8 @@ def mosaic_copy_dim(d: int, scaling: str) -> int:
   """The size, along a dim of true size d, of the FP8 copies temoe's Hopper kernels read for `scaling`.
   A copy's rows are read as swizzled tiles of one k-block (128 FP8 elements), whole tiles only (Mosaic
   GPU's TMA), so both FP8 scalings pad to whole 128s (block scaling has one scale per 128 of the
-  contraction too); the quantizers write the padded copies as they read the operands. Current scaling kept
+  contraction too); the weights' copies are padded as their casts read them, the activations by XLA before
+  theirs (the tokens before the gathering cast; h in the fusion that takes its amax). Current scaling kept
   dims of whole 64s before and contracted over them in 64-element k-blocks: on the H200 those GEMMs ran at
   634-638 TFLOP/s on the 2880-dim layer where 128-element ones run 840 (bench/results/mosaic_gemm.gpt_oss_like.json),
   and padding 2880 to 2944 adds 2.2%. bf16 reads operands as stored."""

@@ -118,16 +118,15 @@ def _load(ref, mask):
 
 
 def _store_both(q_ref, qt_ref, v, dtype, mask, packed=False, word_mask=None):
-  """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written).
-  packed: the outputs are 32-bit words of four values along their minor dim (quantizers.pack_words), and
-  word_mask, with a tail block, which of q's words exist (columns are whole words)."""
+  """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written;
+  q_ref None: v^T alone). packed: the outputs are 32-bit words of four values along their minor dim
+  (quantizers.pack_words), and word_mask, with a tail block, which of q's words exist (columns are whole words)."""
   fmax = FMAX[jnp.dtype(dtype)]
   v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
-  q, qt = v.astype(dtype), v.T.astype(dtype)
-  q_mask = mask
-  if packed:
-    q, qt = quantizers.pack_words(q), quantizers.pack_words(qt)
-    q_mask = word_mask
+  pack = quantizers.pack_words if packed else (lambda t: t)
+  q = None if q_ref is None else pack(v.astype(dtype))
+  qt = pack(v.T.astype(dtype))
+  q_mask = word_mask if packed else mask
   if mask is None:
     if q_ref is not None:
       q_ref[...] = q
@@ -228,6 +227,19 @@ def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None =
   block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK). padded (Rp, Cp) >= (R, C):
   the copies of x zero-padded to these dims (row_scale (B, Rp)), read from x as it is (the Triton kernel
   masks its reads past x's ends: no padded bf16 copy of the weights; XLA's form pads first)."""
+  return _cast(x, row_scale, dtype, impl, block, padded, both=True)
+
+
+def cast_transposed(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None,
+                    padded: tuple[int, int] | None = None) -> jax.Array:
+  """q^T (B, Cp, Rp) of `cast_transpose` alone, bit for bit, without writing q: the forward's copy of the
+  weights where the backward casts w_q again from the kept scales (`cast_experts`), so a q written in the
+  forward would be read by nobody (a custom call's unused output is not removed; XLA's form drops it)."""
+  return _cast(x, row_scale, dtype, impl, block, padded, both=False)[0]
+
+
+def _cast(x, row_scale, dtype, impl, block, padded, both: bool):
+  """cast_transpose's (q, q^T), or (q^T,) where not `both`."""
   block = block or TRITON_BLOCK
   b, r, c = x.shape
   rp, cp = padded or (r, c)
@@ -235,29 +247,11 @@ def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None =
     raise ValueError(f"cast_transpose: padded {padded} is smaller than x's ({r}, {c})")
   impl = resolve(impl, (b, rp, cp), block, packable=True)
   if impl == "xla":
-    return _cast_transpose_xla(jnp.pad(x, ((0, 0), (0, rp - r), (0, cp - c))) if (rp, cp) != (r, c) else x,
-                               row_scale, dtype)
-  if impl == "triton":
-    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp))
-  raise AssertionError(impl)
-
-
-def cast_transposed(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None,
-                    padded: tuple[int, int] | None = None) -> jax.Array:
-  """q^T (B, Cp, Rp) of `cast_transpose` alone, bit for bit, without writing q: the forward's copy of the
-  weights where the backward casts w_q again from the kept scales (`cast_experts`), so a q written in the
-  forward would be read by nobody (a custom call's unused output is not removed)."""
-  block = block or TRITON_BLOCK
-  b, r, c = x.shape
-  rp, cp = padded or (r, c)
-  if rp < r or cp < c:
-    raise ValueError(f"cast_transposed: padded {padded} is smaller than x's ({r}, {c})")
-  impl = resolve(impl, (b, rp, cp), block, packable=True)
-  if impl == "xla":
     xp = jnp.pad(x, ((0, 0), (0, rp - r), (0, cp - c))) if (rp, cp) != (r, c) else x
-    return _saturate(jnp.swapaxes(xp.astype(jnp.float32) * row_scale[..., None], -1, -2), dtype)
+    q, qt = _cast_transpose_xla(xp, row_scale, dtype)
+    return (q, qt) if both else (qt,)
   if impl == "triton":
-    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp), both=False)[0]
+    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp), both)
   raise AssertionError(impl)
 
 
