@@ -54,9 +54,10 @@ def test_the_backwards_weight_cast_is_the_forwards_copy(shape, monkeypatch):
   for impl in ("triton", "xla"):
     wq, _, s = fp8_quant.quantize_experts(w, fp8_quant.E4M3, impl)
     assert len(set(np.asarray(s).tolist())) == shape[0]
-    again = fp8_quant.cast_experts(w, s, fp8_quant.E4M3)
-    assert again.dtype == wq.dtype and again.shape == wq.shape
-    np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)))
+    for cast in ("xla", "triton"):  # the backward's cast itself: XLA's fusion, or the kernel writing q alone
+      again = fp8_quant.cast_experts(w, s, fp8_quant.E4M3, impl=cast)
+      assert again.dtype == wq.dtype and again.shape == wq.shape
+      np.testing.assert_array_equal(np.asarray(again.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)))
   assert np.isnan(np.asarray(fp8_quant.weight_amax(w.at[0, 5, 7].set(jnp.nan))))[0]
 
 
@@ -93,6 +94,12 @@ def test_fp8_copies_of_2_31_elements_or_more_are_written_as_32_bit_words(monkeyp
     np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
   alone = fp8_quant.cast_transposed(w[:, :200, :300], scale, fp8_quant.E4M3, "triton", padded=(256, 384))  # q^T alone
   np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+  # q alone, the backward's cast of the weights from per-expert scales, packed and padded as read
+  s = scale[:, 0]
+  q_alone = fp8_quant.cast_experts(w[:, :200, :300], s, fp8_quant.E4M3, padded=(256, 384), impl="triton")
+  q_xla = fp8_quant.cast_experts(w[:, :200, :300], s, fp8_quant.E4M3, padded=(256, 384), impl="xla")
+  assert q_alone.shape == q_xla.shape == (3, 256, 384)
+  np.testing.assert_array_equal(np.asarray(q_alone.astype(jnp.float32)), np.asarray(q_xla.astype(jnp.float32)))
   with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):  # columns not whole words: not packed
     fp8_quant.cast_transpose(w[:, :, :202], scale, fp8_quant.E4M3, "triton")
   monkeypatch.setattr(quantizers.jax, "default_backend", lambda: "gpu")

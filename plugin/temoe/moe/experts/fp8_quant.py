@@ -62,6 +62,7 @@ TRITON_BLOCK = (64, 128, 4)
 # 5-layer proxies, one call: README, "The marginal MoE decoder layer"): the amax kernel ran in 0.71 ms a
 # MoE layer against XLA's 1.33, but with two kernels reading a weight's slice XLA copied each weight out
 # of the stack in the forward and the backward, 2.66 ms a layer, so they were not kept.
+CAST_EXPERTS_IMPL = "xla"
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
 
 
@@ -119,28 +120,30 @@ def _load(ref, mask):
 
 def _store_both(q_ref, qt_ref, v, dtype, mask, packed=False, word_mask=None):
   """v and v^T, saturated to `dtype`, into both layouts' blocks (a tail block's missing columns not written;
-  q_ref None: v^T alone). packed: the outputs are 32-bit words of four values along their minor dim
+  q_ref None: v^T alone; qt_ref None: v alone). packed: the outputs are 32-bit words of four values along their minor dim
   (quantizers.pack_words), and word_mask, with a tail block, which of q's words exist (columns are whole words)."""
   fmax = FMAX[jnp.dtype(dtype)]
   v = jnp.minimum(jnp.maximum(v, -fmax), fmax)
   pack = quantizers.pack_words if packed else (lambda t: t)
   q = None if q_ref is None else pack(v.astype(dtype))
-  qt = pack(v.T.astype(dtype))
+  qt = None if qt_ref is None else pack(v.T.astype(dtype))
   q_mask = word_mask if packed else mask
   if mask is None:
     if q_ref is not None:
       q_ref[...] = q
-    qt_ref[...] = qt
+    if qt_ref is not None:
+      qt_ref[...] = qt
     return
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
 
   if q_ref is not None:
     pltriton.store(q_ref, q, mask=q_mask[None, :])
-  pltriton.store(qt_ref, qt, mask=mask[:, None])
+  if qt_ref is not None:
+    pltriton.store(qt_ref, qt, mask=mask[:, None])
 
 
-def _cast_transpose_kernel(x_ref, s_ref, *out_refs, dtype, cols, block_cols, packed, dims=None):
-  q_ref, qt_ref = out_refs if len(out_refs) == 2 else (None, *out_refs)  # one output: q^T alone
+def _cast_transpose_kernel(x_ref, s_ref, *out_refs, dtype, cols, block_cols, packed, layouts, dims=None):
+  q_ref, qt_ref = {"both": out_refs, "qt": (None, *out_refs), "q": (*out_refs, None)}[layouts]
   mask = _column_mask(cols, block_cols, 2)  # the output's columns (a tail block's missing ones not written)
   if dims is None:
     v = _load(x_ref, mask)
@@ -158,7 +161,11 @@ def _cast_transpose_kernel(x_ref, s_ref, *out_refs, dtype, cols, block_cols, pac
   _store_both(q_ref, qt_ref, v, dtype, mask, packed, word_mask)
 
 
-def _cast_transpose_triton(x, row_scale, dtype, block, padded=None, both=True):
+LAYOUTS = {"both": "temoe_fp8_cast_transpose", "qt": "temoe_fp8_cast_transposed", "q": "temoe_fp8_cast"}
+"""What a cast-transpose kernel writes (q and q^T, q^T alone, q alone) -> its name in profiles."""
+
+
+def _cast_transpose_triton(x, row_scale, dtype, block, padded=None, layouts="both"):
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=import-outside-toplevel
 
   b = x.shape[0]
@@ -174,17 +181,19 @@ def _cast_transpose_triton(x, row_scale, dtype, block, padded=None, both=True):
   q_spec, q_shape = pl.BlockSpec((None, br, bc // word), lambda i, j, k: (i, j, k)), (b, r, c // word)
   outs = pl.pallas_call(
       functools.partial(_cast_transpose_kernel, dtype=jnp.dtype(dtype), cols=c if c % bc else None, block_cols=bc,
-                        packed=packed, dims=dims),
+                        packed=packed, layouts=layouts, dims=dims),
       grid=(b, r // br, pl.cdiv(c, bc)),
       in_specs=[
           pl.BlockSpec((None, br, bc), lambda i, j, k: (i, j, k)),
           pl.BlockSpec((None, br), lambda i, j, k: (i, j)),
       ],
-      out_specs=[q_spec] * both + [pl.BlockSpec((None, bc, br // word), lambda i, j, k: (i, k, j))],
-      out_shape=[jax.ShapeDtypeStruct(q_shape, out)] * both + [jax.ShapeDtypeStruct((b, c, r // word), out)],
+      out_specs=[q_spec] * (layouts != "qt")
+      + [pl.BlockSpec((None, bc, br // word), lambda i, j, k: (i, k, j))] * (layouts != "q"),
+      out_shape=[jax.ShapeDtypeStruct(q_shape, out)] * (layouts != "qt")
+      + [jax.ShapeDtypeStruct((b, c, r // word), out)] * (layouts != "q"),
       compiler_params=pltriton.CompilerParams(num_warps=warps, num_stages=1),
       interpret=INTERPRET,
-      name="temoe_fp8_cast_transpose" if both else "temoe_fp8_cast_transposed",
+      name=LAYOUTS[layouts],
   )(x, row_scale.astype(jnp.float32))
   return tuple(quantizers.unpack_words(o, dtype) for o in outs) if packed else tuple(outs)
 
@@ -194,11 +203,19 @@ def weight_amax(w: jax.Array) -> jax.Array:
   return jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32)
 
 
-def cast_experts(w: jax.Array, scales: jax.Array, dtype, padded: tuple[int, int] | None = None) -> jax.Array:
+def cast_experts(w: jax.Array, scales: jax.Array, dtype, padded: tuple[int, int] | None = None,
+                 impl: str | None = None, block=None) -> jax.Array:
   """w_q (G, K, N) of `quantize_experts` from its scales, without the transposed copy or the amax: the same
   values bit for bit, whichever implementation made the forward's (the backward's dgrad reads w_q; the
   scales were kept from the forward). padded (Kp, Np): w_q zero-padded to these dims (the FP8 copy is
-  padded, in the same fusion: no padded bf16 copy of w)."""
+  padded, in the same fusion: no padded bf16 copy of w). impl (default CAST_EXPERTS_IMPL): "xla", one
+  fusion; "triton", the cast-transpose kernel writing q alone (masked reads past w's ends; block as
+  cast_transpose's)."""
+  g, k, _ = w.shape
+  rp, cp = padded or w.shape[1:]
+  if resolve(impl or CAST_EXPERTS_IMPL, (g, rp, cp), block, packable=True) == "triton":
+    row_scale = jnp.broadcast_to(scales.astype(jnp.float32)[:, None], (g, rp))
+    return _cast(w, row_scale, dtype, "triton", block, padded, layouts="q")[0]
   q = _saturate(w.astype(jnp.float32) * scales.astype(jnp.float32)[:, None, None], dtype)
   if padded is None or tuple(padded) == w.shape[1:]:
     return q
@@ -227,7 +244,7 @@ def cast_transpose(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None =
   block: the Triton kernel's (rows, cols[, warps]) (default: TRITON_BLOCK). padded (Rp, Cp) >= (R, C):
   the copies of x zero-padded to these dims (row_scale (B, Rp)), read from x as it is (the Triton kernel
   masks its reads past x's ends: no padded bf16 copy of the weights; XLA's form pads first)."""
-  return _cast(x, row_scale, dtype, impl, block, padded, both=True)
+  return _cast(x, row_scale, dtype, impl, block, padded, layouts="both")
 
 
 def cast_transposed(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None = None, block=None,
@@ -235,11 +252,11 @@ def cast_transposed(x: jax.Array, row_scale: jax.Array, dtype, impl: str | None 
   """q^T (B, Cp, Rp) of `cast_transpose` alone, bit for bit, without writing q: the forward's copy of the
   weights where the backward casts w_q again from the kept scales (`cast_experts`), so a q written in the
   forward would be read by nobody (a custom call's unused output is not removed; XLA's form drops it)."""
-  return _cast(x, row_scale, dtype, impl, block, padded, both=False)[0]
+  return _cast(x, row_scale, dtype, impl, block, padded, layouts="qt")[0]
 
 
-def _cast(x, row_scale, dtype, impl, block, padded, both: bool):
-  """cast_transpose's (q, q^T), or (q^T,) where not `both`."""
+def _cast(x, row_scale, dtype, impl, block, padded, layouts: str):
+  """cast_transpose's (q, q^T), or what `layouts` names of them (LAYOUTS: "qt" (q^T,), "q" (q,))."""
   block = block or TRITON_BLOCK
   b, r, c = x.shape
   rp, cp = padded or (r, c)
@@ -249,9 +266,9 @@ def _cast(x, row_scale, dtype, impl, block, padded, both: bool):
   if impl == "xla":
     xp = jnp.pad(x, ((0, 0), (0, rp - r), (0, cp - c))) if (rp, cp) != (r, c) else x
     q, qt = _cast_transpose_xla(xp, row_scale, dtype)
-    return (q, qt) if both else (qt,)
+    return {"both": (q, qt), "qt": (qt,), "q": (q,)}[layouts]
   if impl == "triton":
-    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp), both)
+    return _cast_transpose_triton(x, row_scale, dtype, block, (rp, cp), layouts)
   raise AssertionError(impl)
 
 

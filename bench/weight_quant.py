@@ -1,0 +1,151 @@
+"""Benchmark: the expert weights' per-step FP8 passes of current scaling as the scanned train step runs
+them: a layer's slice of the stacked (L, G, K, N) weights, read in place inside a `lax.scan` (MaxText's
+scanned layers), per MoE layer:
+
+- amax: each expert's max |w| (`fp8_quant.weight_amax`, the forward), in several XLA formulations;
+- recast: w_q from the kept scales (`fp8_quant.cast_experts`, the backward's dgrad operand): XLA's
+  fusion, its FP8 written as words, and the Triton cast kernel writing q alone;
+- forward: the amax and the forward's cast (`fp8_quant.cast_transposed`, the Triton kernel on a GPU)
+  together, as the forward runs them: each amax formulation beside the kernel that reads the same slice,
+  and the shipped amax beside the kernel's other blocks.
+
+Every formulation is checked bit-equal to the shipped one in the same call; time is per layer (a scan
+over the layers divided by L), with the bytes it must move (amax: w once; recast: w in, w_q out).
+
+    python bench/weight_quant.py [--out bench/results] [--shape 32,7168,4096] [--layers 4] [--iters 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+import moe_layer  # noqa: E402  (the timer)
+
+from temoe.moe.experts import fp8_quant as fq  # noqa: E402
+
+E4M3 = fq.E4M3
+
+
+def _amax_two_stage(w):
+  """Rows first (a reduction over N with G*K outputs), then each expert's K row maxima."""
+  return jnp.max(jnp.max(jnp.abs(w), axis=2), axis=1).astype(jnp.float32)
+
+
+def _amax_columns_first(w):
+  """Over K first (G*N outputs, a column reduction), then N."""
+  return jnp.max(jnp.max(jnp.abs(w), axis=1), axis=1).astype(jnp.float32)
+
+
+def _amax_chunks(w, chunk: int = 64):
+  """K in chunks of `chunk` rows: (G, K/chunk, chunk*N) reduced over its last axis, then the chunks."""
+  g, k, n = w.shape
+  if k % chunk:
+    return fq.weight_amax(w)
+  return jnp.max(jnp.max(jnp.abs(w.reshape(g, k // chunk, chunk * n)), axis=2), axis=1).astype(jnp.float32)
+
+
+def _amax_bits(w):
+  """max |w| as the max of its bf16 bit patterns with the sign cleared (integer max: NaN patterns sort
+  above inf, so a NaN still wins), then back to float."""
+  bits = jax.lax.bitcast_convert_type(w, jnp.uint16) & jnp.uint16(0x7FFF)
+  top = jnp.max(jnp.max(bits, axis=2), axis=1)
+  return jax.lax.bitcast_convert_type(top, jnp.bfloat16).astype(jnp.float32)
+
+
+AMAX = {"shipped": fq.weight_amax, "two_stage": _amax_two_stage, "columns_first": _amax_columns_first,
+        "chunks64": _amax_chunks, "bits": _amax_bits}
+
+
+def _recast_words(w, s):
+  """The same values written as 32-bit words (four FP8 a word), bitcast back to (G, K, N) FP8."""
+  g, k, n = w.shape
+  q = fq.cast_experts(w, s, E4M3, impl="xla").reshape(g, k, n // 4, 4)
+  words = jax.lax.bitcast_convert_type(q, jnp.uint32)
+  return jax.lax.bitcast_convert_type(words, E4M3).reshape(g, k, n)
+
+
+BLOCKS = [(64, 128, 4), (128, 128, 8), (64, 256, 8), (128, 64, 4), (32, 256, 4), (128, 256, 8)]
+"""The Triton cast's (rows, cols, warps) blocks tried for the weights (fp8_quant.TRITON_BLOCK first)."""
+RECAST = {"shipped": lambda w, s: fq.cast_experts(w, s, E4M3, impl="xla"), "words": _recast_words,
+          **{f"triton_{b[0]}x{b[1]}w{b[2]}": functools.partial(lambda w, s, b: fq.cast_experts(w, s, E4M3, impl="triton",
+                                                                                              block=b), b=b)
+             for b in BLOCKS}}  # the kernel writing q alone
+
+
+def scanned(per_layer, stacked, *extra):
+  """per_layer over each layer's slice inside one scan; returns the stacked outputs."""
+  def body(carry, xs):
+    return carry, per_layer(*xs)
+  return jax.lax.scan(body, 0, (stacked, *extra))[1]
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--out", default="bench/results")
+  parser.add_argument("--shape", default="32,7168,4096", help="G,K,N of one layer's weights (default: DeepSeek-V3's wi "
+                      "as the 1-GPU proxy has it, 32 experts)")
+  parser.add_argument("--layers", type=int, default=4)
+  parser.add_argument("--iters", type=int, default=10)
+  args = parser.parse_args()
+  g, k, n = (int(v) for v in args.shape.split(","))
+  layers = args.layers
+  w = jax.random.normal(jax.random.key(0), (layers, g, k, n), jnp.bfloat16)
+  w = w.at[1, 3, 5, 7].set(jnp.inf).at[2, 4].set(0)  # an inf expert (scale 1) and an all-zero expert
+  nbytes = g * k * n * 2
+  result = {"command": " ".join(["python", "bench/weight_quant.py", *sys.argv[1:]]),
+            "device": jax.devices()[0].device_kind, "shape": [layers, g, k, n], "amax": {}, "recast": {}}
+  os.makedirs(args.out, exist_ok=True)
+
+  want = None
+  for name, fn in AMAX.items():
+    f = jax.jit(lambda w, fn=fn: scanned(fn, w))
+    got = np.asarray(f(w))
+    want = got if want is None else want
+    ms = moe_layer.timed(f, w, iters=args.iters) * 1e3 / layers
+    result["amax"][name] = {"ms_per_layer": ms, "tbps": nbytes / (ms * 1e-3) / 1e12,
+                            "bitwise_equal_shipped": bool(np.array_equal(got, want, equal_nan=True))}
+    print("amax", name, result["amax"][name], flush=True)
+
+  scales = jax.jit(lambda w: scanned(lambda x: fq.group_scales(fq.weight_amax(x), E4M3), w))(w)
+
+  def consume(q):
+    # the dgrad GEMM reads all of w_q: a barrier keeps XLA from computing only what a reduction needs
+    q = jax.lax.optimization_barrier(q)
+    return q[:, :1, :128].astype(jnp.float32).sum()
+
+  ref = None
+  for name, fn in RECAST.items():
+    f = jax.jit(lambda w, s, fn=fn: scanned(lambda x, y: consume(fn(x, y)), w, s))
+    full = jax.jit(lambda w, s, fn=fn: scanned(fn, w[:2], s[:2]))  # the check: the first two layers' w_q
+    got = np.asarray(full(w, scales).view(jnp.uint8))
+    ref = got if ref is None else ref
+    ms = moe_layer.timed(f, w, scales, iters=args.iters) * 1e3 / layers
+    result["recast"][name] = {"ms_per_layer": ms, "tbps": nbytes * 1.5 / (ms * 1e-3) / 1e12,
+                              "bitwise_equal_shipped": bool(np.array_equal(got, ref))}
+    print("recast", name, result["recast"][name], flush=True)
+  result["forward"] = {}
+  variants = [(name, fn, None) for name, fn in AMAX.items()]
+  variants += [(f"shipped_triton_{b[0]}x{b[1]}w{b[2]}", AMAX["shipped"], b) for b in BLOCKS[1:]]
+  for name, fn, block in variants:
+    def fwd(x, fn=fn, block=block):
+      s = fq.group_scales(fn(x), E4M3)
+      return consume(fq.cast_transposed(x, jnp.broadcast_to(s[:, None], x.shape[:2]), E4M3, block=block))
+    f = jax.jit(lambda w, fwd=fwd: scanned(fwd, w))
+    ms = moe_layer.timed(f, w, iters=args.iters) * 1e3 / layers
+    result["forward"][name] = {"ms_per_layer": ms}
+    print("forward", name, result["forward"][name], flush=True)
+  with open(os.path.join(args.out, "weight_quant.json"), "w", encoding="utf-8") as fh:
+    json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+  main()
