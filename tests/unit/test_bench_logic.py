@@ -182,3 +182,32 @@ def test_runs_are_planned_with_temoes_switches_as_they_ran():
   with proxy_1gpu.switches_as_measured("temoe_fp8", "bench/results/proxy_1gpu.json"):
     assert mosaic_tokens.SCALINGS == now
   assert mosaic_tokens.SCALINGS == now
+
+
+def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, monkeypatch):
+  """bench/weight_quant.py on CPU at a tiny shape (the Triton kernel in Pallas' interpreter): every amax and
+  backward-cast form is bit-equal to the shipped one over stacked layers with an inf expert and a zero one,
+  and a form that differs is reported as such, not as equal."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import weight_quant  # pylint: disable=import-outside-toplevel
+
+  from temoe.moe.experts import fp8_quant  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(fp8_quant, "INTERPRET", True)
+  monkeypatch.setattr(weight_quant, "BLOCKS", weight_quant.BLOCKS[:2])
+  monkeypatch.setitem(weight_quant.RECAST, "off_by_one_scale",
+                      lambda w, s: fp8_quant.cast_experts(w, s * 1.5, fp8_quant.E4M3, impl="xla"))
+  monkeypatch.setitem(weight_quant.AMAX, "half", lambda w: jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32) / 2)
+  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "6,128,256", "--layers", "3",
+                                    "--iters", "1"])
+  weight_quant.main()
+  result = json.loads((tmp_path / "weight_quant.json").read_text())
+  wrong = {"half", "off_by_one_scale"}
+  for section in ("amax", "recast"):
+    for name, r in result[section].items():
+      assert r["bitwise_equal_shipped"] == (name not in wrong), (section, name)
+      assert r["ms_per_layer"] > 0
+  assert {"triton_64x128w4", "words", "bits", "two_stage"} <= set(result["recast"]) | set(result["amax"])
+  assert set(result["forward"]) >= set(weight_quant.AMAX)
