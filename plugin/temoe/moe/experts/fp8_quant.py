@@ -62,6 +62,9 @@ TRITON_BLOCK = (64, 128, 4)
 # 5-layer proxies, one call: README, "The marginal MoE decoder layer"): the amax kernel ran in 0.71 ms a
 # MoE layer against XLA's 1.33, but with two kernels reading a weight's slice XLA copied each weight out
 # of the stack in the forward and the backward, 2.66 ms a layer, so they were not kept.
+# The backward's weight cast: XLA's fusion reads the slice in place; the Triton kernel writing q alone
+# (bit-equal) becomes `auto`'s choice only once the proxy measures it faster inside the scanned step
+# (bench/weight_quant.py, then bench/proxy_1gpu.py): not yet run on a GPU.
 CAST_EXPERTS_IMPL = "xla"
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
 
@@ -211,7 +214,7 @@ def cast_experts(w: jax.Array, scales: jax.Array, dtype, padded: tuple[int, int]
   padded, in the same fusion: no padded bf16 copy of w). impl (default CAST_EXPERTS_IMPL): "xla", one
   fusion; "triton", the cast-transpose kernel writing q alone (masked reads past w's ends; block as
   cast_transpose's)."""
-  g, k, _ = w.shape
+  g = w.shape[0]
   rp, cp = padded or w.shape[1:]
   if resolve(impl or CAST_EXPERTS_IMPL, (g, rp, cp), block, packable=True) == "triton":
     row_scale = jnp.broadcast_to(scales.astype(jnp.float32)[:, None], (g, rp))
