@@ -29,6 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 import moe_layer  # noqa: E402  (the timer)
+import plots  # noqa: E402
 
 from temoe.moe.experts import fp8_quant as fq  # noqa: E402
 
@@ -88,6 +89,16 @@ def scanned(per_layer, stacked, *extra):
   return jax.lax.scan(body, 0, (stacked, *extra))[1]
 
 
+def plot(result: dict, png: str) -> bool:
+  """ms per layer of every form, one group per pass (amax, recast, forward)."""
+  passes = [p for p in ("amax", "recast", "forward") if result.get(p)]
+  names = [(p, n) for p in passes for n in result[p]]
+  return plots.grouped_bars(png, [f"{p}: {n}" for p, n in names], {"ms per layer": [result[p][n]["ms_per_layer"]
+                                                                                    for p, n in names]},
+                            "ms per layer", f"weights' FP8 passes, {result['device']}, (L, G, K, N) = {result['shape']}",
+                            figsize=(12, 4.5), rotate=75)
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument("--out", default="bench/results")
@@ -145,6 +156,7 @@ def main() -> None:
     print("forward", name, result["forward"][name], flush=True)
   with open(os.path.join(args.out, "weight_quant.json"), "w", encoding="utf-8") as fh:
     json.dump(result, fh, indent=1)
+  plot(result, os.path.join(args.out, "weight_quant.png"))
 
 
 if __name__ == "__main__":

@@ -62,9 +62,12 @@ TRITON_BLOCK = (64, 128, 4)
 # 5-layer proxies, one call: README, "The marginal MoE decoder layer"): the amax kernel ran in 0.71 ms a
 # MoE layer against XLA's 1.33, but with two kernels reading a weight's slice XLA copied each weight out
 # of the stack in the forward and the backward, 2.66 ms a layer, so they were not kept.
-# The backward's weight cast: XLA's fusion reads the slice in place; the Triton kernel writing q alone
-# (bit-equal) becomes `auto`'s choice only once the proxy measures it faster inside the scanned step
-# (bench/weight_quant.py, then bench/proxy_1gpu.py): not yet run on a GPU.
+# The backward's weight cast: XLA's fusion reads the slice in place. The Triton kernel writing q alone
+# (bit-equal; `impl="triton"`) was slower on the H200 in one call: 1.69-2.10 ms a layer in six blocks
+# against XLA's 1.33 for the proxy's wi slice inside a scan (bench/results/weight_quant.json), and the
+# proxy's marginal MoE layer 31.95 against 31.26 ms with it as `auto`'s choice (proxy_1gpu.recast_triton.json,
+# proxy_1gpu.recast_xla.json). Storing XLA's FP8 as 32-bit words, and other formulations of the amax,
+# measured within the run-to-run spread (weight_quant.chunks_words.json), so the plain forms stay.
 CAST_EXPERTS_IMPL = "xla"
 INTERPRET = False  # tests on CPU set this: Pallas' generic interpreter runs the Triton kernel
 
