@@ -135,7 +135,11 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 
 # Defaults per GEMM form and scaling. "current": the best config of every one of the six dsv3 GEMMs
 # in both H200 sweeps (bench/results/mosaic_gemm.json, mosaic_gemm.run1.json: 1,311-1,428 TFLOP/s);
-# the dsv3_ep8 and qwen3 shapes were not swept. "none" (bf16): the same tile shape (its 128-byte
+# the other shape classes (an EP-8 slice, fine-grained 128-expert Qwen3-30B-A3B, the small model's) in one
+# call (mosaic_gemm.classes.json): every best within 0-8% of it (the most: the small model's down wgrad on
+# 128 x 128 tiles, 895 against 827 TFLOP/s), where one kernel timed first and again second (configs whose
+# tile orders are the same) moved by 0.4-7%, the first always slower; so they keep it. The bench times
+# configs in rounds since (timed_in_rounds). "none" (bf16): the same tile shape (its 128-byte
 # k-block is 64 elements, so a stage is the same size); in the H200 bf16 sweep of eight configs
 # (bench/results/mosaic_gemm_bf16.json) it is the best for all six dsv3 GEMMs (701-741 TFLOP/s) and
 # within 0-15% of the best per GEMM on the small model's 1024 / 512 shape (0.06 ms of its 1.36 ms). "blockwise": its fp32 total doubles
