@@ -118,15 +118,7 @@ def timed_in_rounds(calls: list, iters: int = 10, reps: int = 3) -> list[float]:
 
 def timed(fn, *args, iters: int = 10, reps: int = 3) -> float:
   """Seconds per call: the best of `reps` back-to-back batches of `iters` calls."""
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    best = min(best, (time.perf_counter() - t0) / iters)
-  return best
+  return timed_in_rounds([(fn, args)], iters, reps)[0]
 
 
 def err_line(exc: BaseException) -> str:
