@@ -83,7 +83,9 @@ class TileConfig:
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
-  accumulators, promoting the first while the second's wgmma runs."""
+  accumulators, promoting the first while the second's wgmma runs; stagger (with overlap) shifts the
+  odd warpgroups' pairs by one k-block, so one warpgroup's unhidden promotion (its pair's second)
+  falls while the other's pair is on the tensor cores."""
 
   block_m: int = 128
   block_n: int = 256
@@ -94,6 +96,7 @@ class TileConfig:
   epi_n: int | None = None
   promote: int = 0
   overlap: bool = False
+  stagger: bool = False
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -103,6 +106,8 @@ class TileConfig:
       s += f"p{self.promote}"
     if self.overlap:
       s += "o"
+    if self.stagger:
+      s += "t"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -283,6 +288,8 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
       problems.append("block scaling promotes every k-block already (promote must be 0)")
     if cfg.overlap and cfg.stages < 2:
       problems.append("overlap needs two stages in flight")
+  if cfg.stagger and not (block_scaled and cfg.overlap and cfg.compute_wgs > 1):
+    problems.append("stagger shifts the pairs of block-scaled overlap between warpgroups (needs both, and two of them)")
   if problems:
     raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
 
@@ -562,12 +569,12 @@ def _grouped_kernel(
           part = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
           return step + 1, promote(total, part, slot, sb)
 
-        def block_scaled_pair_loop(j, carry, g, b_row0):
-          """Two k-blocks into two fresh accumulators: the first is promoted while the second's
-          wgmma still runs (TileConfig.overlap)."""
+        def block_scaled_pair_loop(kk, carry, g, b_row0):
+          """k-blocks kk and kk + 1 into two fresh accumulators: the first is promoted while the
+          second's wgmma still runs (TileConfig.overlap)."""
           step, total = carry
           s0, s1 = lax.rem(step, S), lax.rem(step + 1, S)
-          sb0, sb1 = weight_scale(g, 2 * j, b_row0), weight_scale(g, 2 * j + 1, b_row0)
+          sb0, sb1 = weight_scale(g, kk, b_row0), weight_scale(g, kk + 1, b_row0)
 
           def accs_scope(a0, a1):
             plgpu.barrier_wait(produced.at[s0])
@@ -601,9 +608,13 @@ def _grouped_kernel(
           if block_scaled:
             carry = (step, plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), plgpu.Layout.WGMMA))
             if cfg.overlap:
-              pairs = nk // 2
-              carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(j, c, g, b_row0), carry)
-              carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
+              # stagger: odd warpgroups take one k-block alone first, then pairs from there
+              lead = jnp.minimum(lax.rem(wg, 2), nk) if cfg.stagger else jnp.int32(0)
+              single = lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0)
+              carry = lax.fori_loop(0, lead, single, carry)
+              pairs = (nk - lead) // 2
+              carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(lead + 2 * j, c, g, b_row0), carry)
+              carry = lax.fori_loop(lead + 2 * pairs, nk, single, carry)
             else:
               carry = lax.fori_loop(0, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
             step, val = carry
