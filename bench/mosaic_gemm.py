@@ -70,10 +70,6 @@ BLOCKWISE_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
     TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
-    # stagger: the two warpgroups' pairs one k-block apart (each one's unhidden promotion under the other's wgmma)
-    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, stagger=True),
-    TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True, stagger=True),
-    TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True, stagger=True),
 ]
 # bf16 ("none"): a 128-byte k-block is 64 elements, so a stage holds half the FP8 contraction; the
 # short-K shapes (the small model's 1024 / 512) have few k-blocks per tile, so smaller and deeper

@@ -5,7 +5,7 @@
   partial blocks at the ends, saturation);
 * the Triton quantizers (Pallas' generic interpreter) against the XLA expression: scales and
   power-of-two quantization bit for bit, fp32-scaled values but for rare one-step roundings;
-* the block-scaled kernels (forward/dgrad and wgrad forms, with and without `overlap`, and `stagger`) in Pallas' GPU
+* the block-scaled kernels (forward/dgrad and wgrad forms, with and without `overlap`) in Pallas' GPU
   interpret mode against the numpy model, into NaN-poisoned outputs, with race detection;
 * grouped_matmul(scaling="blockwise") forward and gradients against the numpy model on dims that are
   not multiples of 128;
@@ -195,8 +195,8 @@ def per_group(fn):
     start += int(s)
 
 
-@pytest.mark.parametrize("overlap, stagger", [(False, False), (True, False), (True, True)])
-def test_block_scaled_rows_kernel_into_a_poisoned_buffer_without_races(overlap, stagger):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_scaled_rows_kernel_into_a_poisoned_buffer_without_races(overlap):
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call  # pylint: disable=import-outside-toplevel
 
   rng = np.random.default_rng(3)
@@ -205,7 +205,7 @@ def test_block_scaled_rows_kernel_into_a_poisoned_buffer_without_races(overlap, 
   xq, sx, _, _ = fb.quantize_both(x, impl="xla")
   _, wqt, sw = fb.quantize_weights(w, impl="xla")
   poison = jnp.full((ROWS, 256), jnp.nan, jnp.bfloat16)
-  cfg = dataclasses.replace(CFG, overlap=overlap, stagger=stagger)
+  cfg = dataclasses.replace(CFG, overlap=overlap)
   with plgpu.force_gpu_interpret_mode(dataclasses.replace(INTERPRET, detect_races=True)):
     y = jax.jit(lambda a, b, sa, sb: mz.ragged_rows_matmul(a, b, jnp.asarray(SIZES), config=cfg, sms=1, out=poison,
                                                            block_scales=(sa, sb)))(xq, wqt, sx, sw)
@@ -219,15 +219,15 @@ def test_block_scaled_rows_kernel_into_a_poisoned_buffer_without_races(overlap, 
   assert rel(y, ref) < 4e-3  # fp32 promotion and bf16 output rounding only
 
 
-@pytest.mark.parametrize("overlap, stagger", [(False, False), (True, False), (True, True)])
-def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap, stagger):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap):
   rng = np.random.default_rng(4)
   x = operand(rng, (ROWS, 256)).at[USED:].set(0)
   dy = jnp.asarray(rng.standard_normal((ROWS, 384)), jnp.bfloat16).at[USED:].set(0)
   _, _, xqt, sxt = fb.quantize_both(x, impl="xla")
   _, _, dqt, sdt = fb.quantize_both(dy, impl="xla")
   poison = jnp.full((4, 256, 384), jnp.nan, jnp.bfloat16)
-  cfg = dataclasses.replace(CFG, overlap=overlap, stagger=stagger)
+  cfg = dataclasses.replace(CFG, overlap=overlap)
   with plgpu.force_gpu_interpret_mode(INTERPRET):
     dw = jax.jit(lambda a, b, sa, sb: mz.ragged_contract_matmul(a, b, jnp.asarray(SIZES), config=cfg, sms=2, out=poison,
                                                                 block_scales=(sa, sb)))(xqt, dqt, sxt, sdt)
@@ -316,8 +316,7 @@ def test_block_scaled_configs_are_checked_before_lowering():
   b = jax.ShapeDtypeStruct((2, 256, 256), mz.E4M3)
   gs = jax.ShapeDtypeStruct((2,), jnp.int32)
   sa, sb = jax.ShapeDtypeStruct((2, 512), jnp.float32), jax.ShapeDtypeStruct((2, 2, 2), jnp.float32)
-  for what, cfg in {"block_n dividing 128": mz.TileConfig(block_n=256), "promote must be 0": dataclasses.replace(CFG, promote=2),
-                    "stagger shifts the pairs": dataclasses.replace(CFG, stagger=True)}.items():
+  for what, cfg in {"block_n dividing 128": mz.TileConfig(block_n=256), "promote must be 0": dataclasses.replace(CFG, promote=2)}.items():
     with pytest.raises(ValueError, match=what):
       jax.eval_shape(lambda a, b, g, sa, sb, cfg=cfg: mz.ragged_rows_matmul(a, b, g, config=cfg, sms=2,
                                                                             block_scales=(sa, sb)), a, b, gs, sa, sb)

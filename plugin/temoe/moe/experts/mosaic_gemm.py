@@ -83,9 +83,7 @@ class TileConfig:
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
-  accumulators, promoting the first while the second's wgmma runs; stagger (with overlap) shifts the
-  odd warpgroups' pairs by one k-block, so one warpgroup's unhidden promotion (its pair's second)
-  falls while the other's pair is on the tensor cores."""
+  accumulators, promoting the first while the second's wgmma runs."""
 
   block_m: int = 128
   block_n: int = 256
@@ -96,7 +94,6 @@ class TileConfig:
   epi_n: int | None = None
   promote: int = 0
   overlap: bool = False
-  stagger: bool = False
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -106,8 +103,6 @@ class TileConfig:
       s += f"p{self.promote}"
     if self.overlap:
       s += "o"
-    if self.stagger:
-      s += "t"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -144,7 +139,9 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # call (mosaic_gemm.classes.json): every best within 0-8% of it (the most: the small model's down wgrad on
 # 128 x 128 tiles, 895 against 827 TFLOP/s), where one kernel timed first and again second (configs whose
 # tile orders are the same) moved by 0.4-7%, the first always slower; so they keep it. The bench times
-# configs in rounds since (timed_in_rounds). "none" (bf16): the same tile shape (its 128-byte
+# configs in rounds since (timed_in_rounds): swept so (mosaic_gemm.classes_rounds.json), the small model's
+# and Qwen3-30B-A3B's twelve GEMMs have their best within 0-3.1% of it (that down wgrad: 823 by default,
+# 766 on 128 x 128 tiles). "none" (bf16): the same tile shape (its 128-byte
 # k-block is 64 elements, so a stage is the same size); in the H200 bf16 sweep of eight configs
 # (bench/results/mosaic_gemm_bf16.json) it is the best for all six dsv3 GEMMs (701-741 TFLOP/s) and
 # within 0-15% of the best per GEMM on the small model's 1024 / 512 shape (0.06 ms of its 1.36 ms). "blockwise": its fp32 total doubles
@@ -156,7 +153,11 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # flight across pairs by re-zeroing two live accumulators (400-480 TFLOP/s: the zeroing store
 # serialises the warpgroup), and CTA pairs sharing A by TMA multicast (1,008-1,056 against
 # 1,027-1,085; for "current" 128 x 256 tiles 1,200-1,372 against 1,308-1,426:
-# mosaic_gemm.cluster.json), so halving A's L2 -> SMEM traffic is not what bounds these kernels.
+# mosaic_gemm.cluster.json), so halving A's L2 -> SMEM traffic is not what bounds these kernels; and the
+# two warpgroups' pairs one k-block apart, so that each one's unhidden promotion falls under the other's
+# wgmma (code at c83b682; bench/results/mosaic_gemm_blockwise.stagger.json, configs timed in rounds): 843-951
+# TFLOP/s forward and dgrad, 736-785 wgrad, against 1,044-1,109 / 789-830 for the pairs in step, so the
+# warpgroups' promotions are not what the lost time is.
 # Dims that are not whole tiles (default_config's widths by TILE_FIXED_COLUMNS, current scaling's
 # 64-element k-blocks), swept on the 2880-dim shape (bench/results/mosaic_gemm_bf16.gpt_oss_like.json,
 # mosaic_gemm.gpt_oss_like.json): bf16's defaults best in five of six GEMMs (425-463 TFLOP/s; the down
@@ -288,8 +289,6 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
       problems.append("block scaling promotes every k-block already (promote must be 0)")
     if cfg.overlap and cfg.stages < 2:
       problems.append("overlap needs two stages in flight")
-  if cfg.stagger and not (block_scaled and cfg.overlap and cfg.compute_wgs > 1):
-    problems.append("stagger shifts the pairs of block-scaled overlap between warpgroups (needs both, and two of them)")
   if problems:
     raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
 
@@ -569,12 +568,12 @@ def _grouped_kernel(
           part = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
           return step + 1, promote(total, part, slot, sb)
 
-        def block_scaled_pair_loop(kk, carry, g, b_row0):
-          """k-blocks kk and kk + 1 into two fresh accumulators: the first is promoted while the
-          second's wgmma still runs (TileConfig.overlap)."""
+        def block_scaled_pair_loop(j, carry, g, b_row0):
+          """Two k-blocks into two fresh accumulators: the first is promoted while the second's
+          wgmma still runs (TileConfig.overlap)."""
           step, total = carry
           s0, s1 = lax.rem(step, S), lax.rem(step + 1, S)
-          sb0, sb1 = weight_scale(g, kk, b_row0), weight_scale(g, kk + 1, b_row0)
+          sb0, sb1 = weight_scale(g, 2 * j, b_row0), weight_scale(g, 2 * j + 1, b_row0)
 
           def accs_scope(a0, a1):
             plgpu.barrier_wait(produced.at[s0])
@@ -608,13 +607,9 @@ def _grouped_kernel(
           if block_scaled:
             carry = (step, plgpu.layout_cast(jnp.zeros((wm, bn), jnp.float32), plgpu.Layout.WGMMA))
             if cfg.overlap:
-              # stagger: odd warpgroups take one k-block alone first, then pairs from there
-              lead = jnp.minimum(lax.rem(wg, 2), nk) if cfg.stagger else jnp.int32(0)
-              single = lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0)
-              carry = lax.fori_loop(0, lead, single, carry)
-              pairs = (nk - lead) // 2
-              carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(lead + 2 * j, c, g, b_row0), carry)
-              carry = lax.fori_loop(lead + 2 * pairs, nk, single, carry)
+              pairs = nk // 2
+              carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(j, c, g, b_row0), carry)
+              carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
             else:
               carry = lax.fori_loop(0, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
             step, val = carry
