@@ -156,8 +156,8 @@ forward, E5M2 gradients); FP8 with DeepSeek-V3's block scales (E4M3 throughout, 
 # mosaic_gemm.cluster.json), so halving A's L2 -> SMEM traffic is not what bounds these kernels; and the
 # two warpgroups' pairs one k-block apart, so that each one's unhidden promotion falls under the other's
 # wgmma (code at c83b682; bench/results/mosaic_gemm_blockwise.stagger.json, configs timed in rounds): 843-951
-# TFLOP/s forward and dgrad, 736-785 wgrad, against 1,044-1,109 / 789-830 for the pairs in step, so the
-# warpgroups' promotions are not what the lost time is.
+# TFLOP/s forward and dgrad, 736-785 wgrad, against 1,044-1,109 / 789-830 for the pairs in step, so
+# offsetting the warpgroups does not win back what the promotions cost.
 # Dims that are not whole tiles (default_config's widths by TILE_FIXED_COLUMNS, current scaling's
 # 64-element k-blocks), swept on the 2880-dim shape (bench/results/mosaic_gemm_bf16.gpt_oss_like.json,
 # mosaic_gemm.gpt_oss_like.json): bf16's defaults best in five of six GEMMs (425-463 TFLOP/s; the down
