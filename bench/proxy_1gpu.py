@@ -10,8 +10,7 @@ the same call: `temoe_bf16_moe` (bf16 expert GEMMs on temoe's kernels), `temoe_f
 DeepSeek-V3's block scales), `temoe_fp8_te` (FP8 expert
 GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s container profile),
 `temoe_fp8_graphs` (XLA's command-buffer list, i.e. CUDA graphs, set explicitly without CONDITIONAL;
-every path runs with XLA's default list, which includes custom calls), `*_slice_fusion` (XLA's dynamic
-slice fusion switched on), `temoe_fp8_remat_full`,
+every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`,
 `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, `*_scan0` (`param_scan_axis=0`: the scanned weights stored layers
 first, so the scan reads each layer's slice in place; with MaxText's default 1 the step copies the expert
 weights into that order), the remat variants that keep more of a layer for the
@@ -66,9 +65,6 @@ PROXY = [  # the stock paths as committed before: MaxText's 671B shapes cut to t
 STOCK_MOE = training_runs.STOCK_MOE
 
 GRAPHS = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION"}
-SLICE_FUSION = {"XLA_FLAGS": "--xla_gpu_enable_dynamic_slice_fusion=true"}
-"""XLA's dynamic slice fusion: a custom call that reads one layer's slice of the scanned weights may read it in
-place instead of from a copy XLA makes first (`*_slice_fusion`)."""
 
 MINIMAL_WITH_CONTEXT = ("query_proj", "value_proj", "key_proj", "kv_proj", "qkv_proj", "out_proj", "mlpwi_0", "mlpwi_1",
                         "mlpwi", "mlpwo", "context")
@@ -99,8 +95,6 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
     "temoe_fp8_te": (SHIPPED, ["te_moe_backend=te"], False),
     "temoe_fp8_env": (SHIPPED, [], True),
     "temoe_fp8_graphs": (SHIPPED, [], GRAPHS),
-    "temoe_fp8_slice_fusion": (SHIPPED, [], SLICE_FUSION),
-    "stock_best_slice_fusion": (SHIPPED, STOCK_MOE, SLICE_FUSION),
     "temoe_fp8_unfused": (SHIPPED, [], {"TEMOE_TOKENS_MLP": "none"}),  # x and dy through bf16 buffers
     "stock_best_env": (SHIPPED, STOCK_MOE, True),
     "temoe_fp8_remat_full": (SHIPPED, ["remat_policy=full"], False),
