@@ -29,10 +29,13 @@ a path measured at two depths a < b, (t_b - t_a) / (b - a) is the time of one Mo
 logits, the dense layer). The headline `marginal_moe_layer` is that per-layer time for `temoe_fp8` and
 `stock_best`, and their ratio. Each run reports median tokens/s, MaxText's TFLOP/s/device and step time
 over the steps after warm-up, peak HBM and its wall time; ratios are against `stock_best` at the same
-depth. Writes proxy_1gpu.json (with the exact command) and a PNG. `--smoke` runs the same code on this
-CPU at a tiny size (no timing meaning).
+depth. One run per depth resolves a layer to about +-3 ms on the H200, so `--repeats R` runs every run R
+times, in R rounds of the whole list (drift in the machine then hits every path alike); each run's row
+is then its median round (by step time) with every round's step time beside it, the headline comes from
+those medians, and `marginal_moe_layer` also lists each round's own ratio. Writes proxy_1gpu.json (with
+the exact command) and a PNG. `--smoke` runs the same code on this CPU at a tiny size (no timing meaning).
 
-    python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--layers 3,5] [--steps 12] [--out bench/results]
+    python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--layers 3,5] [--steps 12] [--repeats 1] [--out bench/results]
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import sys
 import tempfile
 
@@ -275,6 +279,31 @@ def headline(per_path: dict) -> dict | None:
           "temoe_fixed_ms": temoe["fixed_ms"], "stock_best_fixed_ms": stock["fixed_ms"], "layers": temoe["layers"]}
 
 
+def median_round(rounds: list[dict]) -> dict:
+  """One run's row over its rounds: the median of each timing over the rounds that ran (for an even
+  count the mean of the middle two, as `statistics.median`), every round's step time beside it in
+  `step_time_s_rounds`, and the other fields from the median round; the last error if none ran."""
+  ran = sorted((r for r in rounds if r.get("step_time_s")), key=lambda r: r["step_time_s"])
+  if not ran:
+    return rounds[-1]
+  row = dict(ran[(len(ran) - 1) // 2])
+  if len(rounds) > 1:
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_device"):
+      if all(r.get(key) for r in ran):
+        row[key] = statistics.median(r[key] for r in ran)
+    row["step_time_s_rounds"] = [r.get("step_time_s") for r in rounds]
+  return row
+
+
+def per_round_ratios(rounds: list[dict]) -> list[float | None]:
+  """Each round's own `marginal_moe_layer` ratio (None where a run of that round failed)."""
+  out = []
+  for paths in rounds:
+    head = headline(marginal(paths))
+    out.append(head["ratio"] if head else None)
+  return out
+
+
 def plot(result: dict, png: str) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
 
@@ -320,24 +349,34 @@ def main() -> None:
   parser.add_argument("--layers", default="3,5", help="depths every path runs at (1 dense + the rest MoE)")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--timeout", type=int, default=150, help="seconds per run")
+  parser.add_argument("--repeats", type=int, default=1, help="rounds of the whole run list; each run's median round is kept")
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--smoke", action="store_true", help="tiny widths on this CPU: exercises the code, times nothing")
   args = parser.parse_args()
+  if args.repeats < 1:
+    raise SystemExit(f"--repeats={args.repeats}: give at least 1 round")
   runs = runs_of(args.paths, args.layers)
   workdir = tempfile.mkdtemp(prefix="proxy-")
   atexit.register(shutil.rmtree, workdir, ignore_errors=True)  # the runs' outputs: results are copied out
   result = {"command": " ".join(["python", "bench/proxy_1gpu.py", *sys.argv[1:]]), "shipped_config": "configs/deepseek3-proxy-1gpu.yml",
             "stock_moe_flags": STOCK_MOE, "proxy_flags": PROXY, "smoke": args.smoke, "paths": {}}
   os.makedirs(args.out, exist_ok=True)
-  for run in runs:
-    result["paths"][run] = measure(run, args.steps, workdir, args.timeout, args.smoke)
-    print(run, json.dumps(result["paths"][run]), flush=True)
-    result["ratios"] = ratios(result["paths"])
-    result["marginal"] = marginal(result["paths"])
-    if headline(result["marginal"]):
-      result["marginal_moe_layer"] = headline(result["marginal"])
-    with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:  # after every run
-      json.dump(result, f, indent=1)
+  rounds: list[dict] = []
+  for r in range(args.repeats):
+    rounds.append({})
+    os.makedirs(os.path.join(workdir, f"round{r}"), exist_ok=True)
+    for run in runs:
+      rounds[r][run] = measure(run, args.steps, os.path.join(workdir, f"round{r}"), args.timeout, args.smoke)
+      print(f"round {r}" if args.repeats > 1 else "", run, json.dumps(rounds[r][run]), flush=True)
+      result["paths"] = {name: median_round([rnd[name] for rnd in rounds if name in rnd]) for name in runs if name in rounds[0]}
+      result["ratios"] = ratios(result["paths"])
+      result["marginal"] = marginal(result["paths"])
+      if headline(result["marginal"]):
+        result["marginal_moe_layer"] = headline(result["marginal"])
+        if args.repeats > 1:
+          result["marginal_moe_layer"]["round_ratios"] = per_round_ratios(rounds)
+      with open(os.path.join(args.out, "proxy_1gpu.json"), "w", encoding="utf-8") as f:  # after every run
+        json.dump(result, f, indent=1)
   try:
     plot(result, os.path.join(args.out, "proxy_1gpu.png"))
   except ImportError as exc:
