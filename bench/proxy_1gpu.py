@@ -30,9 +30,9 @@ logits, the dense layer). The headline `marginal_moe_layer` is that per-layer ti
 `stock_best`, and their ratio. Each run reports median tokens/s, MaxText's TFLOP/s/device and step time
 over the steps after warm-up, peak HBM and its wall time; ratios are against `stock_best` at the same
 depth. One run per depth resolves a layer to about +-3 ms on the H200, so `--repeats R` runs every run R
-times, in R rounds of the whole list (drift in the machine then hits every path alike); each run's row
-is then its median round (by step time) with every round's step time beside it, the headline comes from
-those medians, and `marginal_moe_layer` also lists each round's own ratio. Writes proxy_1gpu.json (with
+times, in R rounds of the whole list (drift in the machine then hits every path alike); each run's
+timings are then their medians over its rounds, with every round's step time beside them, the headline
+comes from those medians, and `marginal_moe_layer` also lists each round's own ratio. Writes proxy_1gpu.json (with
 the exact command) and a PNG. `--smoke` runs the same code on this CPU at a tiny size (no timing meaning).
 
     python bench/proxy_1gpu.py [--paths temoe_fp8,stock_best] [--layers 3,5] [--steps 12] [--repeats 1] [--out bench/results]
@@ -349,7 +349,7 @@ def main() -> None:
   parser.add_argument("--layers", default="3,5", help="depths every path runs at (1 dense + the rest MoE)")
   parser.add_argument("--steps", type=int, default=12)
   parser.add_argument("--timeout", type=int, default=150, help="seconds per run")
-  parser.add_argument("--repeats", type=int, default=1, help="rounds of the whole run list; each run's median round is kept")
+  parser.add_argument("--repeats", type=int, default=1, help="rounds of the whole run list; each run keeps its median timings")
   parser.add_argument("--out", default="bench/results")
   parser.add_argument("--smoke", action="store_true", help="tiny widths on this CPU: exercises the code, times nothing")
   args = parser.parse_args()
@@ -367,7 +367,7 @@ def main() -> None:
     os.makedirs(os.path.join(workdir, f"round{r}"), exist_ok=True)
     for run in runs:
       rounds[r][run] = measure(run, args.steps, os.path.join(workdir, f"round{r}"), args.timeout, args.smoke)
-      print(f"round {r}" if args.repeats > 1 else "", run, json.dumps(rounds[r][run]), flush=True)
+      print(*([f"round {r}"] if args.repeats > 1 else []), run, json.dumps(rounds[r][run]), flush=True)
       result["paths"] = {name: median_round([rnd[name] for rnd in rounds if name in rnd]) for name in runs if name in rounds[0]}
       result["ratios"] = ratios(result["paths"])
       result["marginal"] = marginal(result["paths"])
