@@ -279,7 +279,7 @@ def headline(per_path: dict) -> dict | None:
           "temoe_fixed_ms": temoe["fixed_ms"], "stock_best_fixed_ms": stock["fixed_ms"], "layers": temoe["layers"]}
 
 
-def median_round(rounds: list[dict]) -> dict:
+def median_row(rounds: list[dict]) -> dict:
   """One run's row over its rounds: the median of each timing over the rounds that ran (for an even
   count the mean of the middle two, as `statistics.median`), every round's step time beside it in
   `step_time_s_rounds`, and the other fields from the median round; the last error if none ran."""
@@ -368,7 +368,7 @@ def main() -> None:
     for run in runs:
       rounds[r][run] = measure(run, args.steps, os.path.join(workdir, f"round{r}"), args.timeout, args.smoke)
       print(*([f"round {r}"] if args.repeats > 1 else []), run, json.dumps(rounds[r][run]), flush=True)
-      result["paths"] = {name: median_round([rnd[name] for rnd in rounds if name in rnd]) for name in runs if name in rounds[0]}
+      result["paths"] = {name: median_row([rnd[name] for rnd in rounds if name in rnd]) for name in runs if name in rounds[0]}
       result["ratios"] = ratios(result["paths"])
       result["marginal"] = marginal(result["paths"])
       if headline(result["marginal"]):

@@ -215,12 +215,12 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
 
 def test_repeated_runs_keep_each_runs_median_and_each_rounds_ratio():
   fast, slow = row(0.200), row(0.260)
-  kept = proxy_1gpu.median_round([slow, row(0.210), fast])
+  kept = proxy_1gpu.median_row([slow, row(0.210), fast])
   assert kept["step_time_s"] == 0.210 and kept["step_time_s_rounds"] == [0.260, 0.210, 0.200]
-  even = proxy_1gpu.median_round([slow, {"error": "timed out after 100s"}, fast])  # a failed round is left out
+  even = proxy_1gpu.median_row([slow, {"error": "timed out after 100s"}, fast])  # a failed round is left out
   assert even["step_time_s"] == pytest.approx(0.230) and even["tokens_per_s"] == pytest.approx((4096 / 0.2 + 4096 / 0.26) / 2)
-  assert proxy_1gpu.median_round([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
-  assert "step_time_s_rounds" not in proxy_1gpu.median_round([fast])  # one round: its row as measured
+  assert proxy_1gpu.median_row([{"error": "a"}, {"error": "b"}]) == {"error": "b"}
+  assert "step_time_s_rounds" not in proxy_1gpu.median_row([fast])  # one round: its row as measured
   one = {"temoe_fp8": row(0.140), "stock_best": row(0.210), "temoe_fp8@5": row(0.220), "stock_best@5": row(0.350)}
   two = {**one, "temoe_fp8@5": row(0.200)}
   broken = {**one, "stock_best@5": {"error": "x"}}
