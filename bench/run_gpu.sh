@@ -3,8 +3,10 @@
 # (on the project's H200: `source tools-device/env.sh` first). Stages: tests, gemm, quant, layer, small, proxy,
 # calibrate (the step model's rates: bench/calibrate.py, into $out/calibration), tokens (the FP8 MLP from
 # tokens, mosaic_tokens: its GPU tests and the layer against the buffer path; then run
-# `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer).
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [proxy [--paths a,b]]
+# `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer), kept (what FP8 weight copies
+# kept from step to step would cost against today's weight passes: bench/weight_quant.py's `persistent`, for
+# the proxy's wi and wo).
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
@@ -26,6 +28,11 @@ for i in "${!stages[@]}"; do
       python3 -m pytest -q -rs -s tests/gpu/test_blockwise.py -k "gathered or tokens_mlp" 2>&1 | tee "$out/gpu_tests.tokens.log" || rc=1
       python3 bench/moe_layer.py --out "$out" --iters 5 --no-per-gemm --errors --shapes dsv3,small_dsv3,gpt_oss_like \
         --paths temoe_fp8,temoe_fp8_unfused,temoe_fp8_blockwise,temoe_fp8_blockwise_unfused,tokamax_bf16 || rc=1 ;;
+    kept)
+      for w in wi:32,7168,4096 wo:32,2048,7168; do
+        python3 bench/weight_quant.py --out "$out/weight_quant.kept.${w%%:*}" --shape "${w#*:}" --layers 4 --iters 5 \
+          --shipped-only || rc=1
+      done ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done

@@ -7,12 +7,22 @@ scanned layers), per MoE layer:
   fusion, its FP8 written as words, and the Triton cast kernel writing q alone;
 - forward: the amax and the forward's cast (`fp8_quant.cast_transposed`, the Triton kernel on a GPU)
   together, as the forward runs them: each amax formulation beside the kernel that reads the same slice,
-  and the shipped amax beside the kernel's other blocks.
+  and the shipped amax beside the kernel's other blocks;
+- persistent: what FP8 copies kept from one step to the next would cost instead (a design not built:
+  state beside the parameters that MaxText's train step would carry). The copies would be written where
+  the optimizer writes the weights: MaxText's AdamW (optax.adamw with MaxText's defaults, moments in the
+  weights' dtype) updating the whole stack, then each expert's amax and both FP8 layouts of the new
+  weights (`refresh_*`: the extra time over the update alone, per layer, XLA's fusion or the Triton
+  kernel); the step would read a layer's slice of the stacked copies, forward (w_q^T) and backward (w_q)
+  (`slices`: a consumer that takes the whole slice, as a kernel's operand, so an upper bound where XLA
+  would copy it out of the stack). `today` is the passes they would replace (the shipped amax, forward
+  cast and backward cast); `saving_*` is today minus refresh minus slices, per layer. The refreshed
+  copies are checked bit-equal to the forward's and the backward's copies of the same updated weights.
 
 Every formulation is checked bit-equal to the shipped one in the same call; time is per layer (a scan
 over the layers divided by L), with the bytes it must move (amax: w once; recast: w in, w_q out).
 
-    python bench/weight_quant.py [--out bench/results] [--shape 32,7168,4096] [--layers 4] [--iters 10]
+    python bench/weight_quant.py [--out bench/results] [--shape 32,7168,4096] [--layers 4] [--iters 10] [--shipped-only]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 sys.path.insert(0, os.path.dirname(__file__))
 import moe_layer  # noqa: E402  (the timer)
@@ -89,12 +100,70 @@ def scanned(per_layer, stacked, *extra):
   return jax.lax.scan(body, 0, (stacked, *extra))[1]
 
 
+ADAMW = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 0.1}
+"""MaxText 0.2.5's AdamW defaults (base.yml: adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay)."""
+
+
+def refreshed_copies(w, impl: str):
+  """The FP8 copies a kept-copies design would write after the update: per layer and expert the scales
+  (L, G), w_q (L, G, K, N) and w_q^T (L, G, N, K), the forward's and the backward's numbers for these w."""
+  layers, g, k, n = w.shape
+  s = fq.group_scales(fq.weight_amax(w.reshape(layers * g, k, n)), E4M3)
+  q, qt = fq.cast_transpose(w.reshape(layers * g, k, n), jnp.broadcast_to(s[:, None], (layers * g, k)), E4M3, impl)
+  return s.reshape(layers, g), q.reshape(w.shape), qt.reshape(layers, g, n, k)
+
+
+def persistent(w, iters: int) -> dict:
+  """The `persistent` section (module docstring): per layer, ms of the update alone, of each refresh over
+  it, of reading the stacked copies' slices in a scan, and of today's passes; with the bit-equality check."""
+  layers = w.shape[0]
+  tx = optax.adamw(1e-4, mu_dtype=w.dtype, **ADAMW)
+  grads = (jax.random.normal(jax.random.key(1), w.shape, jnp.float32) * 1e-3).astype(w.dtype)
+  state = tx.init(w)
+
+  def update(w, g, st):
+    u, st = tx.update(g, st, w)
+    return optax.apply_updates(w, u), st
+
+  out = {"update_ms_per_layer": moe_layer.timed(jax.jit(update), w, grads, state, iters=iters) * 1e3 / layers}
+  new_w = jax.jit(update)(w, grads, state)[0]
+  today_s = jax.jit(lambda w: scanned(lambda x: fq.group_scales(fq.weight_amax(x), E4M3), w))(new_w)
+  want_qt = jax.jit(lambda w, s: scanned(
+      lambda x, y: fq.cast_transposed(x, jnp.broadcast_to(y[:, None], x.shape[:2]), E4M3), w[:2], s[:2]))(new_w, today_s)
+  want_q = jax.jit(lambda w, s: scanned(lambda x, y: fq.cast_experts(x, y, E4M3), w[:2], s[:2]))(new_w, today_s)
+  for impl in ("xla", "triton"):
+    def step(w, g, st, impl=impl):
+      new, st = update(w, g, st)
+      return new, st, refreshed_copies(new, impl)
+
+    ms = moe_layer.timed(jax.jit(step), w, grads, state, iters=iters) * 1e3 / layers
+    s, q, qt = jax.jit(functools.partial(refreshed_copies, impl=impl))(new_w)
+    equal = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+                for a, b in ((s, today_s), (q[:2], want_q), (qt[:2], want_qt)))
+    out[f"refresh_{impl}"] = {"ms_per_layer": ms - out["update_ms_per_layer"], "bitwise_equal_forward_and_backward": equal}
+  _, q, qt = jax.jit(functools.partial(refreshed_copies, impl="xla"))(new_w)
+
+  def read_slices(x, y):  # both slices whole (a barrier's operands), then a few of their values
+    x, y = jax.lax.optimization_barrier((x, y))
+    return x[:1, :1, :128].astype(jnp.float32).sum() + y[:1, :1, :128].astype(jnp.float32).sum()
+
+  f = jax.jit(lambda q, qt: scanned(read_slices, q, qt))
+  out["slices_ms_per_layer"] = moe_layer.timed(f, q, qt, iters=iters) * 1e3 / layers
+  return out
+
+
 def plot(result: dict, png: str) -> bool:
-  """ms per layer of every form, one group per pass (amax, recast, forward)."""
+  """ms per layer of every form, one group per pass (amax, recast, forward), then today's passes against
+  kept copies' refresh plus slices (persistent)."""
   passes = [p for p in ("amax", "recast", "forward") if result.get(p)]
-  names = [(p, n) for p in passes for n in result[p]]
-  return plots.grouped_bars(png, [f"{p}: {n}" for p, n in names], {"ms per layer": [result[p][n]["ms_per_layer"]
-                                                                                    for p, n in names]},
+  labels = [f"{p}: {n}" for p in passes for n in result[p]]
+  values = [result[p][n]["ms_per_layer"] for p in passes for n in result[p]]
+  kept = result.get("persistent")
+  if kept:
+    labels += ["persistent: today", *(f"persistent: refresh_{i} + slices" for i in ("xla", "triton"))]
+    values += [kept["today_ms_per_layer"], *(kept[f"refresh_{i}"]["ms_per_layer"] + kept["slices_ms_per_layer"]
+                                             for i in ("xla", "triton"))]
+  return plots.grouped_bars(png, labels, {"ms per layer": values},
                             "ms per layer", f"weights' FP8 passes, {result['device']}, (L, G, K, N) = {result['shape']}",
                             figsize=(12, 4.5), rotate=75)
 
@@ -106,6 +175,8 @@ def main() -> None:
                       "as the 1-GPU proxy has it, 32 experts)")
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--iters", type=int, default=10)
+  parser.add_argument("--shipped-only", action="store_true", help="of each pass only the shipped form (what "
+                      "`persistent` compares against), no other formulation")
   args = parser.parse_args()
   g, k, n = (int(v) for v in args.shape.split(","))
   layers = args.layers
@@ -117,7 +188,8 @@ def main() -> None:
   os.makedirs(args.out, exist_ok=True)
 
   want = None
-  for name, fn in AMAX.items():
+  forms = (lambda d: {"shipped": d["shipped"]}) if args.shipped_only else (lambda d: d)
+  for name, fn in forms(AMAX).items():
     f = jax.jit(lambda w, fn=fn: scanned(fn, w))
     got = np.asarray(f(w))
     want = got if want is None else want
@@ -134,7 +206,7 @@ def main() -> None:
     return q[:, :1, :128].astype(jnp.float32).sum()
 
   ref = None
-  for name, fn in RECAST.items():
+  for name, fn in forms(RECAST).items():
     f = jax.jit(lambda w, s, fn=fn: scanned(lambda x, y: consume(fn(x, y)), w, s))
     full = jax.jit(lambda w, s, fn=fn: scanned(fn, w[:2], s[:2]))  # the check: the first two layers' w_q
     got = np.asarray(full(w, scales).view(jnp.uint8))
@@ -144,8 +216,9 @@ def main() -> None:
                               "bitwise_equal_shipped": bool(np.array_equal(got, ref))}
     print("recast", name, result["recast"][name], flush=True)
   result["forward"] = {}
-  variants = [(name, fn, None) for name, fn in AMAX.items()]
-  variants += [(f"shipped_triton_{b[0]}x{b[1]}w{b[2]}", AMAX["shipped"], b) for b in BLOCKS[1:]]
+  variants = [(name, fn, None) for name, fn in forms(AMAX).items()]
+  variants += [] if args.shipped_only else [(f"shipped_triton_{b[0]}x{b[1]}w{b[2]}", AMAX["shipped"], b)
+                                            for b in BLOCKS[1:]]
   for name, fn, block in variants:
     def fwd(x, fn=fn, block=block):
       s = fq.group_scales(fn(x), E4M3)
@@ -154,6 +227,13 @@ def main() -> None:
     ms = moe_layer.timed(f, w, iters=args.iters) * 1e3 / layers
     result["forward"][name] = {"ms_per_layer": ms}
     print("forward", name, result["forward"][name], flush=True)
+  kept = persistent(w, args.iters)
+  kept["today_ms_per_layer"] = result["forward"]["shipped"]["ms_per_layer"] + result["recast"]["shipped"]["ms_per_layer"]
+  for impl in ("xla", "triton"):
+    kept[f"saving_{impl}_ms_per_layer"] = (kept["today_ms_per_layer"] - kept[f"refresh_{impl}"]["ms_per_layer"]
+                                           - kept["slices_ms_per_layer"])
+  result["persistent"] = kept
+  print("persistent", kept, flush=True)
   with open(os.path.join(args.out, "weight_quant.json"), "w", encoding="utf-8") as fh:
     json.dump(result, fh, indent=1)
   plot(result, os.path.join(args.out, "weight_quant.png"))

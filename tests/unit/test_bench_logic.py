@@ -200,6 +200,13 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
   monkeypatch.setitem(weight_quant.RECAST, "off_by_one_scale",
                       lambda w, s: fp8_quant.cast_experts(w, s * 1.5, fp8_quant.E4M3, impl="xla"))
   monkeypatch.setitem(weight_quant.AMAX, "half", lambda w: jnp.max(jnp.abs(w), axis=(1, 2)).astype(jnp.float32) / 2)
+  refreshed = weight_quant.refreshed_copies
+
+  def wrong_on_triton(w, impl):  # the Triton refresh scales one expert's copies by 1.5 too many
+    s, q, qt = refreshed(w, impl)
+    return (s, q, qt) if impl == "xla" else refreshed(w.at[0, 1].multiply(1.5), impl)
+
+  monkeypatch.setattr(weight_quant, "refreshed_copies", wrong_on_triton)
   monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "6,128,256", "--layers", "3",
                                     "--iters", "1"])
   weight_quant.main()
@@ -211,6 +218,32 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
       assert r["ms_per_layer"] > 0
   assert {"triton_64x128w4", "words", "bits", "two_stage"} <= set(result["recast"]) | set(result["amax"])
   assert set(result["forward"]) >= set(weight_quant.AMAX)
+  kept = result["persistent"]  # the kept copies' refresh: XLA's copies the step's, the wrong Triton ones not
+  assert kept["refresh_xla"]["bitwise_equal_forward_and_backward"] is True
+  assert kept["refresh_triton"]["bitwise_equal_forward_and_backward"] is False
+  assert kept["saving_xla_ms_per_layer"] == pytest.approx(
+      kept["today_ms_per_layer"] - kept["refresh_xla"]["ms_per_layer"] - kept["slices_ms_per_layer"])
+  assert (tmp_path / "weight_quant.png").exists()
+
+
+def test_weight_quant_bench_shipped_only_times_the_shipped_forms_and_kept_copies(tmp_path, monkeypatch):
+  """--shipped-only: of each pass the shipped form alone, and the kept copies' section against it."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  import weight_quant  # pylint: disable=import-outside-toplevel
+
+  from temoe.moe.experts import fp8_quant  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(fp8_quant, "INTERPRET", True)
+  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "4,128,256", "--layers", "2",
+                                    "--iters", "1", "--shipped-only"])
+  weight_quant.main()
+  result = json.loads((tmp_path / "weight_quant.json").read_text())
+  assert [list(result[p]) for p in ("amax", "recast", "forward")] == [["shipped"]] * 3
+  kept = result["persistent"]
+  assert kept["today_ms_per_layer"] == pytest.approx(result["forward"]["shipped"]["ms_per_layer"]
+                                                     + result["recast"]["shipped"]["ms_per_layer"])
+  assert all(kept[f"refresh_{i}"]["bitwise_equal_forward_and_backward"] for i in ("xla", "triton"))
 
 
 def test_repeated_runs_keep_each_runs_median_and_each_rounds_ratio():
