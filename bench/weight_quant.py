@@ -10,7 +10,7 @@ scanned layers), per MoE layer:
   and the shipped amax beside the kernel's other blocks;
 - persistent: what FP8 copies kept from one step to the next would cost instead (a design not built:
   state beside the parameters that MaxText's train step would carry). The copies would be written where
-  the optimizer writes the weights: MaxText's AdamW (optax.adamw with MaxText's defaults, moments in the
+  the optimizer writes the weights: MaxText's AdamW (optax.adamw with base.yml's settings, moments in the
   weights' dtype) updating the whole stack, then each expert's amax and both FP8 layouts of the new
   weights (`refresh_*`: the extra time over the update alone, per layer, XLA's fusion or the Triton
   kernel); the step would read a layer's slice of the stacked copies, forward (w_q^T) and backward (w_q)
@@ -100,8 +100,22 @@ def scanned(per_layer, stacked, *extra):
   return jax.lax.scan(body, 0, (stacked, *extra))[1]
 
 
-ADAMW = {"b1": 0.9, "b2": 0.95, "eps": 1e-8, "eps_root": 0.0, "weight_decay": 0.1}
-"""MaxText 0.2.5's AdamW defaults (base.yml: adam_b1, adam_b2, adam_eps, adam_eps_root, adam_weight_decay)."""
+def consume(q):
+  """A few of q's values after a barrier: a kernel's operand is read whole (the dgrad GEMM reads all of
+  w_q), and the barrier keeps XLA from computing only what a reduction of a few values needs."""
+  q = jax.lax.optimization_barrier(q)
+  return q[:, :1, :128].astype(jnp.float32).sum()
+
+
+def maxtext_adamw() -> dict:
+  """optax.adamw's settings as MaxText's base.yml sets them (adam_b1, adam_b2, adam_eps, adam_eps_root,
+  adam_weight_decay), read from the installed MaxText."""
+  import yaml  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import globals as maxtext_globals  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(maxtext_globals.MAXTEXT_CONFIGS_DIR, "base.yml"), encoding="utf-8") as fh:
+    base = yaml.safe_load(fh)
+  return {k: float(base[f"adam_{k}"]) for k in ("b1", "b2", "eps", "eps_root", "weight_decay")}
 
 
 def refreshed_copies(w, impl: str):
@@ -117,7 +131,7 @@ def persistent(w, iters: int) -> dict:
   """The `persistent` section (module docstring): per layer, ms of the update alone, of each refresh over
   it, of reading the stacked copies' slices in a scan, and of today's passes; with the bit-equality check."""
   layers = w.shape[0]
-  tx = optax.adamw(1e-4, mu_dtype=w.dtype, **ADAMW)
+  tx = optax.adamw(1e-4, mu_dtype=w.dtype, **maxtext_adamw())
   grads = (jax.random.normal(jax.random.key(1), w.shape, jnp.float32) * 1e-3).astype(w.dtype)
   state = tx.init(w)
 
@@ -141,13 +155,7 @@ def persistent(w, iters: int) -> dict:
     equal = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
                 for a, b in ((s, today_s), (q[:2], want_q), (qt[:2], want_qt)))
     out[f"refresh_{impl}"] = {"ms_per_layer": ms - out["update_ms_per_layer"], "bitwise_equal_forward_and_backward": equal}
-  _, q, qt = jax.jit(functools.partial(refreshed_copies, impl="xla"))(new_w)
-
-  def read_slices(x, y):  # both slices whole (a barrier's operands), then a few of their values
-    x, y = jax.lax.optimization_barrier((x, y))
-    return x[:1, :1, :128].astype(jnp.float32).sum() + y[:1, :1, :128].astype(jnp.float32).sum()
-
-  f = jax.jit(lambda q, qt: scanned(read_slices, q, qt))
+  f = jax.jit(lambda q, qt: scanned(lambda x, y: consume(x) + consume(y), q, qt))  # the last refresh's copies
   out["slices_ms_per_layer"] = moe_layer.timed(f, q, qt, iters=iters) * 1e3 / layers
   return out
 
@@ -199,11 +207,6 @@ def main() -> None:
     print("amax", name, result["amax"][name], flush=True)
 
   scales = jax.jit(lambda w: scanned(lambda x: fq.group_scales(fq.weight_amax(x), E4M3), w))(w)
-
-  def consume(q):
-    # the dgrad GEMM reads all of w_q: a barrier keeps XLA from computing only what a reduction needs
-    q = jax.lax.optimization_barrier(q)
-    return q[:, :1, :128].astype(jnp.float32).sum()
 
   ref = None
   for name, fn in forms(RECAST).items():
