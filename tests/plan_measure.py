@@ -25,6 +25,7 @@ CASES = {  # name -> MaxText overrides of the smoke config
     "seq_256": ["max_target_length=256", "per_device_batch_size=2"],  # 4x the sequence, 1/4 the batch
     "batch_16": ["per_device_batch_size=16"],  # 2x the batch
     "remat_minimal": ["remat_policy=minimal_with_context"],  # saved activations instead of full remat
+    "unrolled": ["scan_layers=false", "remat_policy=minimal_with_context"],  # each layer its own parameters
 }
 
 

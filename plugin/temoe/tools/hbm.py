@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 from temoe.tools import hbm_activations as act
 from temoe.tools import model_size
@@ -94,12 +95,19 @@ def gathered_bytes(leaf, num_experts: int) -> int:
   return shard_bytes(leaf, keep=lambda axis, dim: axis in KEPT_AXES or (axis == "expert" and dim == num_experts))
 
 
+UNROLLED_LAYER = re.compile(r"^(layers|dense_layers|moe_layers)_\d+$")
+"""One layer of a block with scan_layers=false: MaxText registers each as `<block>_<i>`."""
+
+
 def block_of(keys: list[str]) -> str:
-  """Which part of the model a parameter path belongs to: a scanned block, the embedding, or the head
-  (final norm, logits: everything after the layers)."""
-  for block in SCANNED_BLOCKS:
-    if block in keys:
-      return block
+  """Which part of the model a parameter path belongs to: a layer block (scanned, or unrolled into
+  `<block>_<i>`), the embedding, or the head (final norm, logits: everything after the layers)."""
+  for key in keys:
+    if key in SCANNED_BLOCKS:
+      return key
+    unrolled = UNROLLED_LAYER.match(key)
+    if unrolled:
+      return unrolled.group(1)
   return "embedding" if "token_embedder" in keys else "head"
 
 
@@ -138,7 +146,8 @@ def state_parts(state, config, backend: str = "") -> tuple[list[Part], dict]:
       params[tuple(keys[1:])] = leaf
       block = block_of(keys)
       if block in SCANNED_BLOCKS:  # all its layers, as held and as gathered
-        relaid = backend == "gmm" and "MoeBlock_0" in keys and any(k in EXPERT_WEIGHTS for k in keys)
+        relaid = (config.scan_layers and backend == "gmm" and "MoeBlock_0" in keys
+                  and any(k in EXPERT_WEIGHTS for k in keys))
         if (moved or relaid) and counts[block] > 1:  # moving an axis of length 1 first is a bitcast, not a copy
           sums["copies"][block] = sums["copies"].get(block, 0) + shard_bytes(leaf)
         extra = gathered_bytes(leaf, config.num_experts) - shard_bytes(leaf)
@@ -201,9 +210,13 @@ def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estima
   if moe:
     moe_set, where = act.moe_layer(config, s, backend, device_platform)
     working = attention + moe_set + act.shared_experts(config, s) + gathered_layer(config, sums, layers_block)
-    phases.append(Part("layer working set (MoE layer)", working - not_yet["moe"],
+    # Unrolled layers free what each kept once its backward is done, so at the first MoE layer's backward (every
+    # MoE gradient live) the later MoE layers' saved activations are gone; a scan frees its stacked ones at its end.
+    freed = 0.0 if config.scan_layers else saved.moe * (1 - 1 / model_size.layers(config).moe)
+    phases.append(Part("layer working set (MoE layer)", working - not_yet["moe"] - freed,
                        f"{gib(working)} GiB attention + {backend} MoE ({where}); less the gradients not computed yet "
-                       f"(embedding{', dense layers' if split else ''}) {gib(not_yet['moe'])}"))
+                       f"(embedding{', dense layers' if split else ''}) {gib(not_yet['moe'])}"
+                       + (f" and the later MoE layers' saved activations, freed (unrolled) {gib(freed)}" if freed else "")))
   dense_set = attention + act.dense_mlp(config, s) + gathered_layer(config, sums, "dense_layers" if split else "layers")
   if split or not moe:  # the dense layers' backward comes after the MoE layers': their copy and activations are gone
     gone = (copies.get("moe_layers", 0) + saved.moe) if split else 0.0
