@@ -13,8 +13,9 @@ GEMMs on TE's grouped GEMM), `temoe_fp8_env` / `stock_best_env` (+ `temoe env`'s
 every path runs with XLA's default list, which includes custom calls), `temoe_fp8_remat_full`,
 `temoe_fp8_bf16_dense`, `temoe_fp8_autoattn`, `*_scan0` (`param_scan_axis=0`: the scanned weights stored layers
 first, so the scan reads each layer's slice in place; with MaxText's default 1 the step copies the expert
-weights into that order), the remat variants that keep more of a layer for the
-backward (`*_save_moe`: minimal_with_context plus the MoE GEMM outputs MaxText names moe_mlpwi_0/1 and
+weights into that order), `*_unrolled` (scan_layers=false: each layer its own parameters, no layer scan),
+`*_unrolled_noremat` (also remat_policy=none, which an unscanned layer takes as no checkpoint at all: nothing
+recomputed), the remat variants that keep more of a layer for the backward (`*_save_moe`: minimal_with_context plus the MoE GEMM outputs MaxText names moe_mlpwi_0/1 and
 moe_mlpwo, which minimal_with_context recomputes in part: it names the gate half mlpwi_0 but not the
 up half; the shipped config's policy since it measured faster, so `temoe_fp8_save_moe` / `stock_best_save_moe`
 now run the shipped config and stock_best; `*_save_all`: every tensor MaxText names; remat_policy=none is no variant here: MaxText
@@ -115,6 +116,9 @@ PATHS = {  # name -> (config, overrides, environment: False, True (the container
                                       False),
     "temoe_fp8_unrolled": (SHIPPED, ["scan_layers=false"], False),  # layers unrolled: no layer scan (a while loop)
     "stock_best_unrolled": (SHIPPED, [*STOCK_MOE, "scan_layers=false"], False),
+    # unrolled with remat_policy=none: MaxText wraps an unscanned layer in no checkpoint, so nothing is recomputed
+    "temoe_fp8_unrolled_noremat": (SHIPPED, ["scan_layers=false", "remat_policy=none"], False),
+    "stock_best_unrolled_noremat": (SHIPPED, [*STOCK_MOE, "scan_layers=false", "remat_policy=none"], False),
     "temoe_fp8_scan0": (SHIPPED, ["param_scan_axis=0"], False),  # layers first: no transposed copy per step
     "stock_best_scan0": (SHIPPED, [*STOCK_MOE, "param_scan_axis=0"], False),
     "temoe_fp8_batch4": (SHIPPED, ["per_device_batch_size=4"], False),  # memory-plan checks: twice the tokens,

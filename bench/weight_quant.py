@@ -127,6 +127,15 @@ def refreshed_copies(w, impl: str):
   return s.reshape(layers, g), q.reshape(w.shape), qt.reshape(layers, g, n, k)
 
 
+def differing_elements(got, want) -> int:
+  """How many elements of `got` differ from `want` in their bits (0: bit-equal)."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape:
+    return int(want.size)
+  bits = f"u{got.dtype.itemsize}"
+  return int(np.count_nonzero(got.view(bits) != want.view(bits)))
+
+
 def persistent(w, iters: int) -> dict:
   """The `persistent` section (module docstring): per layer, ms of the update alone, of each refresh over
   it, of reading the stacked copies' slices in a scan, and of today's passes; with the bit-equality check."""
@@ -152,9 +161,11 @@ def persistent(w, iters: int) -> dict:
 
     ms = moe_layer.timed(jax.jit(step), w, grads, state, iters=iters) * 1e3 / layers
     s, q, qt = jax.jit(functools.partial(refreshed_copies, impl=impl))(new_w)
-    equal = all(np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-                for a, b in ((s, today_s), (q[:2], want_q), (qt[:2], want_qt)))
-    out[f"refresh_{impl}"] = {"ms_per_layer": ms - out["update_ms_per_layer"], "bitwise_equal_forward_and_backward": equal}
+    differing = {name: differing_elements(a, b) for name, a, b in
+                 (("scales", s, today_s), ("w_q", q[:2], want_q), ("w_q_t", qt[:2], want_qt))}
+    out[f"refresh_{impl}"] = {"ms_per_layer": ms - out["update_ms_per_layer"],
+                              "bitwise_equal_forward_and_backward": not any(differing.values()),
+                              "differing_elements": differing}
   f = jax.jit(lambda q, qt: scanned(lambda x, y: consume(x) + consume(y), q, qt))  # the last refresh's copies
   out["slices_ms_per_layer"] = moe_layer.timed(f, q, qt, iters=iters) * 1e3 / layers
   return out

@@ -220,6 +220,9 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
   kept = result["persistent"]  # the kept copies' refresh: XLA's copies the step's, the wrong Triton ones not
   assert kept["refresh_xla"]["bitwise_equal_forward_and_backward"] is True
   assert kept["refresh_triton"]["bitwise_equal_forward_and_backward"] is False
+  assert kept["refresh_xla"]["differing_elements"] == {"scales": 0, "w_q": 0, "w_q_t": 0}
+  wrong = kept["refresh_triton"]["differing_elements"]  # one expert of layer 0: its scale and some of its K x N
+  assert wrong["scales"] == 1 and 0 < wrong["w_q"] <= 128 * 256 and 0 < wrong["w_q_t"] <= 128 * 256, wrong
   assert kept["saving_xla_ms_per_layer"] == pytest.approx(
       kept["today_ms_per_layer"] - kept["refresh_xla"]["ms_per_layer"] - kept["slices_ms_per_layer"])
   assert (tmp_path / "weight_quant.png").exists()
