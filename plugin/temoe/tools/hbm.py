@@ -95,7 +95,7 @@ def gathered_bytes(leaf, num_experts: int) -> int:
   return shard_bytes(leaf, keep=lambda axis, dim: axis in KEPT_AXES or (axis == "expert" and dim == num_experts))
 
 
-UNROLLED_LAYER = re.compile(r"^(layers|dense_layers|moe_layers)_\d+$")
+UNROLLED_LAYER = re.compile(rf"^({'|'.join(SCANNED_BLOCKS)})_\d+$")
 """One layer of a block with scan_layers=false: MaxText registers each as `<block>_<i>`."""
 
 
