@@ -12,7 +12,7 @@ ARGS ?=
 PYTHON312 ?= $(shell for c in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3 2>/dev/null | sort -rV); do \
   "$$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && { command -v "$$c"; break; }; done)
 
-.PHONY: train test venv clean image image-smoke
+.PHONY: train test docs venv clean image image-smoke image-test
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.lock pyproject.toml
@@ -39,9 +39,16 @@ train: venv
 # --durations lists the 15 slowest tests, to keep the suite inside its time budget.
 TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 1) + 1 )); echo $$(( n < 4 ? n : 4 )))
 
+# tests/image builds the image on a stand-in base and trains in the container where a container engine
+# answers (docker, or podman's Docker API); where none does it is skipped with one line saying so.
 test: venv
 	$(VENV)/bin/ruff check plugin tests bench
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
+	$(MAKE) --no-print-directory docs
+
+# The docs site (MkDocs), built strict: a broken link or a page missing from the nav fails.
+docs: venv
+	$(PY) -m mkdocs build --strict --quiet --site-dir runs/site
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
@@ -51,6 +58,9 @@ BASE_IMAGE ?= ghcr.io/nvidia/jax:maxtext-2026-09-10
 BUILD_ARGS ?=  # e.g. --build-arg TE_VERSION=base, --build-arg TE_CUDA_MAJOR=12 (Dockerfile's header lists them)
 image:   # needs a Docker engine (none here or in CI); the build ends with `temoe doctor --image`
 	docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VCS_REF=$$(git rev-parse --short HEAD) $(BUILD_ARGS) -t $(IMAGE) .
+
+image-test: venv   # the image test alone: stand-in base, `make image` on it, doctor, plan, train, SIGTERM
+	$(PY) -m pytest -v tests/image
 
 image-smoke: image   # a GPU host with the NVIDIA container toolkit
 	launch/docker-run.sh $(IMAGE) doctor

@@ -93,7 +93,8 @@ def profiled_smoke(tmp_path_factory, smoke_data):
   return pathlib.Path(done["run"]), subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
 
 
-MARKERS = {"unit": "fast CPU tests", "e2e": "training runs in subprocesses (slow)", "slurm": "a real Slurm cluster",
+MARKERS = {"image": "builds the image on a stand-in base and trains in the container (needs a container engine)",
+           "unit": "fast CPU tests", "e2e": "training runs in subprocesses (slow)", "slurm": "a real Slurm cluster",
            "gpu": "needs a GPU (bench/run_gpu.sh runs them)"}
 
 
@@ -102,7 +103,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{name}: {doc}")
 
 
-LONGEST_FIRST = ("e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py", "unit/test_step_model.py",
+LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py", "unit/test_step_model.py",
                  "slurm/test_slurm.py", "e2e/test_bench_smoke.py", "e2e/test_failures.py", "e2e/test_interchange.py",
                  "e2e/test_train_e2e.py", "e2e/test_resume.py", "unit/test_profile.py")
 """The files that take longest (`make test`'s --durations: 1 to 4 minutes each on 2 cores), longest first.
@@ -111,7 +112,7 @@ these go out first, then the other training runs (e2e), then the short unit file
 to start are short and the workers finish together. test_resume comes well after test_preemption, and
 test_profile well before test_report, so the session's shared runs (smoke_reference, profiled_smoke) are
 usually done when the second file asks for them."""
-FOLDER_ORDER = ("slurm", "e2e", "unit", "gpu")
+FOLDER_ORDER = ("image", "slurm", "e2e", "unit", "gpu")
 
 
 def pytest_collection_modifyitems(items):
