@@ -1,6 +1,6 @@
 """Every bad input gets one line and exit code 2, before anything compiles: a table of
 input -> exit code -> the line, run through `temoe.cli.main` in this process (a subprocess for a
-few rows, to see the whole output). README's bad-input table is `render_table()` of `ROWS`.
+few rows, to see the whole output). docs/reference/bad-input.md's table is `render_table()` of `ROWS`.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_metrics_with_a_cut_line_and_a_resume_count_each_step_once(tmp_path):
 
 
 def render_table(rows=ROWS) -> str:
-  """README's bad-input table: one row per ROWS entry (placeholders as <tmp>/..., the smoke config as smoke.yml)."""
+  """The bad-input reference page's table: one row per ROWS entry (placeholders as <tmp>/..., the smoke config as smoke.yml)."""
   def shown(command, args):
     text = " ".join(a.replace("{tmp}/", "").replace("{tmp}", "<dir>").replace(SMOKE, "smoke.yml") for a in args)
     if command == "train" and not (args and args[0].endswith(".yml")):
@@ -305,6 +305,6 @@ if __name__ == "__main__":
   print(render_table(), end="")
 
 
-def test_readme_bad_input_table_is_this_tables_rendering():
-  readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-  assert render_table() in readme, "README's bad-input table drifted from ROWS: paste render_table()'s output"
+def test_the_bad_input_page_is_this_tables_rendering():
+  page = (pathlib.Path(__file__).resolve().parents[2] / "docs/reference/bad-input.md").read_text(encoding="utf-8")
+  assert render_table() in page, "docs/reference/bad-input.md drifted from ROWS: paste render_table()'s output"

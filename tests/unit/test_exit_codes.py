@@ -1,5 +1,5 @@
-"""README states the exit-code contract and the faults table exactly as the code and the tests have them:
-`temoe.exits.table()` and `faults.render_table()` (each fault's row is asserted by its e2e test)."""
+"""docs/guides/reliability.md states the exit-code contract and the faults table exactly as the code and the
+tests have them: `temoe.exits.table()` and `faults.render_table()` (each fault's row is asserted by its e2e test)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import pathlib
 import faults
 from temoe import exits
 
-README = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+GUIDE = "docs/guides/reliability.md"
+PAGE = (pathlib.Path(__file__).resolve().parents[2] / GUIDE).read_text(encoding="utf-8")
 
 
-def test_readme_has_the_exit_code_contract():
-  assert exits.table() in README, "README's exit-code table drifted from temoe.exits: paste exits.table()"
+def test_the_reliability_guide_has_the_exit_code_contract():
+  assert exits.table() in PAGE, f"{GUIDE}'s exit-code table drifted from temoe.exits: paste exits.table()"
   assert sorted(exits.MEANINGS) == sorted({exits.DONE, exits.FAILED, exits.NEEDS_PERSON, exits.REQUEUE})
 
 
-def test_readme_faults_table_is_the_tests_table():
-  assert faults.render_table() in README, "README's faults table drifted from tests/faults.py: paste render_table()"
+def test_the_reliability_guide_faults_table_is_the_tests_table():
+  assert faults.render_table() in PAGE, f"{GUIDE}'s faults table drifted from tests/faults.py: paste render_table()"
 
 
 def test_every_fault_names_an_existing_test_that_checks_it():
