@@ -242,8 +242,10 @@ def test_no_row_counts_as_a_check_of_a_constant_fitted_to_it(regenerated):
   assert {r["kind"] for r in regenerated["rows"]} == {"one_gpu", "published"}
 
 
-def test_the_readme_table_is_the_committed_check():
+def test_the_planning_guides_table_is_the_committed_check():
   sys.path.insert(0, str(ROOT / "bench"))
   import step_model_check  # pylint: disable=import-outside-toplevel
 
-  assert step_model_check.render_table(json.loads(CHECK.read_text())) in (ROOT / "README.md").read_text()
+  page = (ROOT / "docs" / "guides" / "planning.md").read_text()
+  assert step_model_check.PAGE == ROOT / "docs" / "guides" / "planning.md"
+  assert step_model_check.TABLE_BEGIN + "\n" + step_model_check.render_table(json.loads(CHECK.read_text())) in page
