@@ -1,0 +1,34 @@
+"""The docs' reference pages (CLI, flags, recipe registry) are the ones bench/docs_reference.py generates from
+the code: a changed command, flag or recipe that is not regenerated fails here."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def load():
+  spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "bench" / "docs_reference.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("page", ["cli.md", "flags.md", "recipes.md"])
+def test_reference_page_is_generated(page):
+  reference = load()
+  path = reference.REFERENCE / page
+  assert path.read_text() == reference.PAGES[page](), f"{path} is stale: python bench/docs_reference.py --write"
+
+
+def test_pages_name_every_command_flag_and_recipe():
+  """The generators read the registries: each entry appears on its page (the pages are checked against the
+  generators above, so the committed pages are read here)."""
+  reference = load()
+  from temoe import cli, recipes
+
+  cli_page, recipes_page = ((reference.REFERENCE / name).read_text() for name in ("cli.md", "recipes.md"))
+  assert all(f"## temoe {name}" in cli_page for name in cli.SUBCOMMANDS)
+  assert all(f"| `{name}` |" in recipes_page for name in recipes.REGISTRY)
