@@ -210,3 +210,34 @@ def test_the_plan_takes_the_tokens_mlp_where_the_block_does(monkeypatch):
   assert not takes(backend="te") and not takes("te_no_quant") and not takes(bias=True)
   monkeypatch.setattr(mosaic_tokens, "SCALINGS", frozenset(("blockwise",)))
   assert not takes() and takes("te_fp8_blockwise")
+
+
+def tools_imports() -> dict[str, set[str]]:
+  """{module of temoe.tools: the temoe.tools modules it imports}, lazy (function-level) imports included."""
+  import ast  # pylint: disable=import-outside-toplevel
+
+  folder = ROOT / "plugin" / "temoe" / "tools"
+  mods = {p.stem for p in folder.glob("*.py")}
+  graph = {}
+  for name in mods:
+    deps = set()
+    for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module == "temoe.tools":
+        deps |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("temoe.tools."):
+        deps.add(node.module.split(".")[2])
+    graph[name] = (deps & mods) - {name}
+  return graph
+
+
+def test_no_import_circle_among_the_offline_tools():
+  """plan -> sweep -> planner: the layout sweep plans through temoe.tools.planner, not through the CLI module
+  that calls it (once plan <-> sweep)."""
+  graph = tools_imports()
+  assert "sweep" in graph["plan"] and "planner" in graph["sweep"] and "plan" not in graph["sweep"]
+
+  def reaches(start: str, goal: str, seen: set[str]) -> bool:
+    return any(d == goal or (d not in seen and reaches(d, goal, seen | {d})) for d in graph[start])
+
+  circles = sorted(m for m in graph if reaches(m, m, set()))
+  assert not circles, {m: graph[m] for m in circles}

@@ -63,14 +63,14 @@ class Row:
 def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hbm_gib: float | None,
         environ: dict[str, str], progress=sys.stderr) -> list[Row]:
   """Plans every layout; rows in the order planned."""
-  from temoe.tools import calibration, plan, step_model  # pylint: disable=import-outside-toplevel
+  from temoe.tools import calibration, planner, step_model  # pylint: disable=import-outside-toplevel
 
   rows, calib = [], None
-  candidates = layouts(plan.make_plan(path, overrides, devices, gpu, hbm_gib).config.num_experts, devices, slices)
+  candidates = layouts(planner.make_plan(path, overrides, devices, gpu, hbm_gib).config.num_experts, devices, slices)
   for i, layout in enumerate(candidates):
     print(f"temoe plan --sweep: {i + 1}/{len(candidates)} {layout.describe()}", file=progress, flush=True)
     try:
-      p = plan.make_plan(path, [*overrides, *layout.overrides()], devices, gpu, hbm_gib)
+      p = planner.make_plan(path, [*overrides, *layout.overrides()], devices, gpu, hbm_gib)
     except Exception as exc:  # pylint: disable=broad-exception-caught
       rows.append(Row(layout, 0.0, False, None, str(exc).splitlines()[0][:200]))
       continue
@@ -79,7 +79,7 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
     prediction = None
     if fits:
       calib = calib or calibration.calibration_for(p.gpu)
-      ici, dcn = plan.mesh_split(p.config, devices)
+      ici, dcn = planner.mesh_split(p.config, devices)
       job = step_model.job_of(p.config, ici, dcn, slices, p.backend, p.quantization, p.estimate)
       prediction = step_model.predict(job, calib, step_model.xla_flags_for(calib.gpu, environ)[1])
     rows.append(Row(layout, peak, fits, prediction))
