@@ -108,10 +108,30 @@ def dist_info(root: pathlib.Path, name: str, version: str) -> None:
   (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
 
 
+STUB_LOADER = """
+import importlib.util, pathlib
+
+
+def _get_shared_object_file(library):
+  top = pathlib.Path(importlib.util.find_spec("transformer_engine").origin).parent.parent
+  for where in (top, top / "transformer_engine", top / "transformer_engine" / "wheel_lib"):
+    found = sorted(where.glob(f"transformer_engine_{library}*.so")) if where.is_dir() else []
+    if found:
+      return found[0]
+  raise FileNotFoundError(f"Could not find shared object file for Transformer Engine {library} lib.")
+"""
+"""TE 2.20.2's loader as its docstring describes it (transformer_engine/common/__init__.py): the framework
+extension is the one shared object named transformer_engine_<library>* in the top directory (an editable
+build), the package (a source build) or transformer_engine/wheel_lib/ (PyPI), else FileNotFoundError."""
+
+EXTENSION_AT = {"pypi": "transformer_engine/wheel_lib", "editable": ".", "source": "transformer_engine"}
+
+
 def stub_te(root: pathlib.Path, version: str = "2.20.2", drop: str = "", parts: dict | None = None,
-            jax_init: str = "") -> pathlib.Path:
+            jax_init: str = "", layout: str = "pypi") -> pathlib.Path:
   """A Transformer Engine made of stubs: every module and name of TE_NAMES except `drop`; the
-  quantize names behind a `from .quantizer import *`, as TE writes it."""
+  quantize names behind a `from .quantizer import *`, as TE writes it; TE's loader, and the JAX extension
+  (an empty file) where `layout` puts it when transformer_engine_jax is among the parts."""
   for module in sorted(PACKAGES | set(TE_NAMES)):
     path = root.joinpath(*module.split("."))
     path = path / "__init__.py" if module in PACKAGES else path.with_suffix(".py")
@@ -120,11 +140,14 @@ def stub_te(root: pathlib.Path, version: str = "2.20.2", drop: str = "", parts: 
     path.write_text("".join(f"def {n}(*args, **kwargs):\n  pass\n" for n in names))
   (root / "transformer_engine/jax/quantize/__init__.py").write_text("from .quantizer import *  # noqa\n")
   (root / "transformer_engine/jax/__init__.py").write_text(jax_init)
+  (root / "transformer_engine/common/__init__.py").write_text(STUB_LOADER)
   dist_info(root, "transformer_engine", version)
   for name, v in (parts or {"transformer_engine_jax": version, "transformer_engine_cu13": version}).items():
     dist_info(root, name, v)
     if name == "transformer_engine_jax":
-      (root / "transformer_engine_jax.py").write_text("")
+      where = root / EXTENSION_AT[layout]
+      where.mkdir(parents=True, exist_ok=True)
+      (where / "transformer_engine_jax.cpython-312-x86_64-linux-gnu.so").write_bytes(b"")
   return root
 
 
@@ -201,7 +224,9 @@ def on_path(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("kind, problem, line", [
-    ("te-2.20.2", None, "2.20.2, defines the "),
+    ("te-2.20.2", None, "2.20.2, defines the "),  # from PyPI: the extension in transformer_engine/wheel_lib/
+    ("te-editable-build", None, "2.20.2, defines the "),
+    ("te-source-build", None, "2.20.2, defines the "),
     ("base-te-newer", None, "2.21.0.dev0; temoe is tested against 2.20.2, defines the "),
     ("mixed-parts", ("Transformer Engine's parts disagree: transformer_engine 2.20.2, transformer_engine_jax "
                     f"2.20.0.dev0: {TE_FIX}"), None),
@@ -228,6 +253,8 @@ def test_te_checks(kind, problem, line, on_path, monkeypatch):
     on_path(stub_te(tmp, jax_init="raise ImportError('libcudnn.so.9: cannot open shared object file')\n"))
   elif kind == "no-driver-on-the-build-host":
     on_path(stub_te(tmp, jax_init="raise OSError('libcuda.so.1: cannot open shared object file')\n"))
+  elif kind in ("te-editable-build", "te-source-build"):
+    on_path(stub_te(tmp, layout=kind.split("-")[1]))
   elif kind != "no-te":
     on_path(stub_te(tmp))
   result = stack.Result()

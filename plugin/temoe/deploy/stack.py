@@ -245,6 +245,35 @@ def _dist_version(*names: str) -> tuple[str, str] | None:
   return None
 
 
+TE_LOCATE = """
+import importlib.util, pathlib
+package = pathlib.Path(importlib.util.find_spec("transformer_engine").submodule_search_locations[0])
+spec = importlib.util.spec_from_file_location("transformer_engine.common", package / "common" / "__init__.py")
+loader = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(loader)
+print(loader._get_shared_object_file("jax"))
+"""
+"""How TE finds its JAX extension: `load_framework_extension("jax")` loads the file its
+`_get_shared_object_file("jax")` returns (editable build: the top level; source build: the package; PyPI:
+transformer_engine/wheel_lib/, which no import path finds). Only TE's loader module is run, not the package
+(whose import loads the extension and JAX)."""
+
+
+def te_jax_extension() -> tuple[pathlib.Path | None, str]:
+  """The JAX extension TE's own loader would load, asked of TE in a fresh process with its build-time switch
+  NVTE_PROJECT_BUILDING=1 (its loader module then loads no CUDA library: a build host has no driver);
+  (None, why) where it finds none."""
+  environ = {**os.environ, "NVTE_PROJECT_BUILDING": "1"}
+  environ.pop("NVTE_RELEASE_BUILD", None)
+  found = subprocess.run([sys.executable, "-c", TE_LOCATE], capture_output=True, text=True, timeout=300,
+                         check=False, env=environ)
+  lines = found.stdout.strip().splitlines()
+  if found.returncode or not lines or not pathlib.Path(lines[-1]).is_file():
+    last = (found.stderr.strip().splitlines() or ["?"])[-1]
+    return None, "" if "Could not find shared object file" in last else f"; TE's loader: {last}"
+  return pathlib.Path(lines[-1]), ""
+
+
 def check_te(result: Result, maxtext_dir: pathlib.Path | None) -> None:
   """Transformer Engine: installed, one version across its parts, every name MaxText and temoe import."""
   te = _dist_version("transformer_engine", "transformer-engine")
@@ -269,8 +298,9 @@ def check_te(result: Result, maxtext_dir: pathlib.Path | None) -> None:
     result.problems.append(f"{core[0]} {version} is installed but this image's CUDA is {os.environ['CUDA_VERSION']}: "
                            f"--build-arg TE_CUDA_MAJOR={cuda}.")
     return
-  if importlib.util.find_spec("transformer_engine_jax") is None:
-    result.problems.append(f"Transformer Engine {version} has no JAX extension (transformer_engine_jax): {TE_FIX}.")
+  extension, why = te_jax_extension()
+  if extension is None:
+    result.problems.append(f"Transformer Engine {version} has no JAX extension (transformer_engine_jax{why}): {TE_FIX}.")
     return
   import temoe  # pylint: disable=import-outside-toplevel
 
