@@ -9,6 +9,7 @@ context's exchange strategy (`temoe.moe.exchange`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -43,12 +44,30 @@ def _per_device(ctx: MoEContext, strategy, x, expert_ids, weights, wi, wo, *bias
   top_k = expert_ids.shape[-1]
   mlp = functools.partial(expert_mlp, ctx, wi=wi, wo=wo, biases=biases)
   fused = tokens_mlp(ctx, wi, wo, biases) if strategy in (exchange.strategy(n) for n in exchange.TOKENS_MLP) else None
-  out, stats = strategy.run(
-      ctx, x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k), mlp,
-      **({"tokens_mlp": fused} if fused else {})
-  )
+  x, expert_ids, weights = x.reshape(-1, shape[-1]), expert_ids.reshape(-1, top_k), weights.reshape(-1, top_k)
+  size = chunk_tokens(ctx, x.shape[0])
+  outs, parts = [], []
+  for c in range(ctx.chunks):  # unrolled: chunk c + 1's exchange does not wait for chunk c's GEMMs
+    rows = slice(c * size, (c + 1) * size)
+    with jax.named_scope(f"temoe_chunk{c}") if ctx.chunks > 1 else contextlib.nullcontext():
+      out, stats = strategy.run(ctx, x[rows], expert_ids[rows], weights[rows], mlp,
+                                **({"tokens_mlp": fused} if fused else {}))
+    outs.append(out)
+    parts.append(stats)
+  out = outs[0] if len(outs) == 1 else jnp.concatenate(outs)
+  stats = {k: (functools.reduce(jnp.logical_or, (p[k] for p in parts)) if k == "overflow" else sum(p[k] for p in parts))
+           for k in parts[0]}
   stats = {k: jnp.reshape(v, (1,)).astype(jnp.bool_ if k == "overflow" else jnp.int32) for k, v in stats.items()}
   return out.reshape(shape).astype(ctx.dtype), stats
+
+
+def chunk_tokens(ctx: MoEContext, tokens: int) -> int:
+  """Tokens per chunk of the routed experts (`ctx.chunks` of them), or one error naming what divides."""
+  if ctx.chunks < 1 or tokens % ctx.chunks:
+    divisors = [d for d in range(1, min(tokens, 64) + 1) if tokens % d == 0]
+    raise ValueError(f"te_moe_chunks={ctx.chunks} does not divide the {tokens} tokens one device holds in "
+                     f"{ctx.name}; choose one of {', '.join(map(str, divisors))}")
+  return tokens // ctx.chunks
 
 
 def apply(ctx: MoEContext, x, expert_ids, weights, wi, wo, biases=(None, None, None)):
@@ -60,7 +79,8 @@ def apply(ctx: MoEContext, x, expert_ids, weights, wi, wo, biases=(None, None, N
   """
   platform = jax.devices()[0].platform
   strategy = exchange.strategy(
-      exchange.resolve(ctx.exchange, ctx.ep_size, platform, top_k=ctx.top_k, local_experts=ctx.local_experts)
+      exchange.resolve(ctx.exchange, ctx.ep_size, platform, top_k=ctx.top_k, local_experts=ctx.local_experts,
+                       node_size=ctx.ep_node_size)
   )
   compute = functools.partial(_per_device, ctx, strategy)
   args = (x, expert_ids, weights, wi, wo, *biases)

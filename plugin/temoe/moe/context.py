@@ -33,6 +33,9 @@ class MoEContext:
     None for one device. ep_axis / ep_size: the expert-parallel mesh axis and its size.
   buffer_factor: MaxText's ragged_buffer_factor: <= 0 sizes EP receive buffers for the worst case.
   exchange: the expert-parallel exchange strategy (temoe.moe.exchange), "auto" by default.
+  ep_node_size: ranks per node along the expert axis (the hierarchical exchange's node boundary).
+  chunks: the routed experts run in this many token chunks, each with its own exchange, so one chunk's
+    exchange has no data dependence on another's GEMMs (XLA's scheduler may overlap them).
   check_finite / name: stop on NaN/Inf in this layer's output or gradient, naming it so.
   fp8_weights: MaxText's te_moe_fp8_weights: "remat" (the backward casts the expert weights to FP8
     again from the forward's scales) or "device" / "offload" (the backward reads the forward's copies).
@@ -52,6 +55,8 @@ class MoEContext:
   ep_size: int = 1
   buffer_factor: float = 0.0
   exchange: str = "auto"
+  ep_node_size: int = 8
+  chunks: int = 1
   check_finite: bool = False
   name: str = "MoE layer"
   fp8_weights: str = "remat"

@@ -6,6 +6,8 @@ and the expert outputs come back. One interface, several strategies (`STRATEGIES
   padded   the same plan through a padded `all_to_all` (XLA:CPU has no ragged all-to-all)
   dedup    one row per distinct (token, rank), expanded and combined on the receiver (`dedup`);
            ragged all-to-all on GPUs, padded on XLA:CPU; `auto` where a rank holds several experts
+  hier     dedup in two hops where the expert axis spans nodes (`hier`): one row per (token, node) over
+           the scale-out network to a relay, then one per (token, rank) inside the node; `dedup` on one node
 
 A strategy is `run(ctx, x, expert_ids, weights, mlp) -> (out, stats)` on one device's tokens inside
 `shard_map`: x (tokens, emb), expert_ids / weights (tokens, top_k), `mlp(buffer, plan) -> buffer`
@@ -21,15 +23,15 @@ from __future__ import annotations
 import importlib
 import math
 
-STRATEGIES = ("local", "ragged", "padded", "dedup")
+STRATEGIES = ("local", "ragged", "padded", "dedup", "hier")
 """The exchange strategies; `auto` resolves to one of them (`resolve`)."""
 
-TOKENS_MLP = ("local", "dedup")
+TOKENS_MLP = ("local", "dedup", "hier")
 """The strategies that take an expert kernel's MLP from tokens (`run(..., tokens_mlp=)`): where rows reach
 the experts by one local gather (of the tokens, or of the received rows), which the kernel's quantizer
 can do as it reads."""
 
-CHOICES = ("auto", "ragged", "padded", "dedup")
+CHOICES = ("auto", "ragged", "padded", "dedup", "hier")
 """What a run may ask for (MaxText's `te_moe_exchange`); one device, or no expert axis, is `local`."""
 
 
@@ -49,10 +51,23 @@ def receive_capacity(routed_rows: int, ep_size: int, buffer_factor: float) -> in
   return capacity
 
 
-def resolve(name: str, ep_size: int, device_platform: str, top_k: int = 1, local_experts: int = 1) -> str:
+def check_node_size(node_size: int, ep_size: int | None = None) -> int:
+  """`node_size` (ranks per node along the expert axis) if it is >= 1 and, where the expert axis is known,
+  divides it or holds it whole; else one error saying what fits."""
+  if not isinstance(node_size, int) or node_size < 1:
+    raise ValueError(f"te_moe_ep_node_size={node_size!r}: ranks per node along the expert axis, an integer >= 1.")
+  if ep_size is not None and ep_size > node_size and ep_size % node_size:
+    raise ValueError(f"te_moe_ep_node_size={node_size} does not divide the expert axis ({ep_size} ranks): "
+                     f"set it to the ranks of the axis that share a node (ici_expert_parallelism).")
+  return node_size
+
+
+def resolve(name: str, ep_size: int, device_platform: str, top_k: int = 1, local_experts: int = 1,
+            node_size: int = 8) -> str:
   """The strategy `name` (one of CHOICES) means for this expert axis and platform. `auto` is dedup
   where it sends fewer rows (a token can reach two experts of one rank: top_k > 1 and
-  local_experts > 1; never more rows), else the row-per-pair exchange for the platform."""
+  local_experts > 1; never more rows), else the row-per-pair exchange for the platform. `hier` is
+  dedup where the axis fits one node (`node_size` ranks): there is no scale-out hop."""
   if ep_size == 1:
     return "local"
   if name not in CHOICES:
@@ -61,6 +76,9 @@ def resolve(name: str, ep_size: int, device_platform: str, top_k: int = 1, local
     if top_k > 1 and local_experts > 1:
       return "dedup"
     return "padded" if device_platform == "cpu" else "ragged"
+  if name == "hier":
+    check_node_size(node_size, ep_size)
+    return "hier" if ep_size > node_size else "dedup"
   return name
 
 

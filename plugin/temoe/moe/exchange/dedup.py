@@ -53,28 +53,38 @@ def run(ctx, x, expert_ids, weights, mlp, moves: types.ModuleType | None = None,
     send_w = fan_out(weights.reshape(-1, 1), rp.choice_of_slot, rp.slot_of_choice).reshape(rows, width)
     room = receive_rows(moves, capacity, rows, devices)
     recv, recv_w, recv_ids = (moves.send(a, ex, room, ctx.ep_axis, devices) for a in (send, send_w, rp.local_ids))
-    received = recv.shape[0]
-    buffer = dedup_plan.gemm_rows(capacity, received, width, local, ctx.align)
-    gp = dedup_plan.plan_expansion(recv_ids, local, ctx.align, buffer)
+  partial, gp = experts(ctx, recv, recv_w, recv_ids, capacity, mlp, tokens_mlp)
+  with jax.named_scope("temoe_combine"):
+    back = moves.receive_back(partial, ex, rows, ctx.ep_axis, devices)
+    out = fan_in(back, rp.row_of_token, rp.token_of_row)
+  return out, stats(ex.received, capacity, ex.overflow, gp)
+
+
+def experts(ctx, recv, recv_w, recv_ids, capacity: int, mlp, tokens_mlp=None):
+  """The receiver's side: received rows `recv` with their `slots` local expert ids + 1 (`recv_ids`, 0 for
+  none) and weights -> (each row's weighted sum of its experts' outputs in ctx.dtype, the expansion plan)."""
+  received, width = recv_ids.shape
+  with jax.named_scope("temoe_dispatch"):
+    buffer = dedup_plan.gemm_rows(capacity, received, width, ctx.local_experts, ctx.align)
+    gp = dedup_plan.plan_expansion(recv_ids, ctx.local_experts, ctx.align, buffer)
     buf = None if tokens_mlp else fan_out(recv, gp.choice_of_slot // width, gp.slot_of_choice.reshape(received, width))
   with jax.named_scope("temoe_experts"):
     if tokens_mlp:
-      partial = tokens_mlp(recv, gp, recv_w, empty_choices=True).astype(ctx.dtype)
-    else:
-      y = mlp(buf, gp)
+      return tokens_mlp(recv, gp, recv_w, empty_choices=True).astype(ctx.dtype), gp
+    y = mlp(buf, gp)
   with jax.named_scope("temoe_combine"):
-    if not tokens_mlp:
-      per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(received, width, -1)
-      if ctx.float32_weight_sum:
-        per_pair, recv_w = per_pair.astype(jnp.float32), recv_w.astype(jnp.float32)
-      partial = jnp.sum(per_pair * recv_w[..., None].astype(per_pair.dtype), axis=1).astype(y.dtype)
-    back = moves.receive_back(partial, ex, rows, ctx.ep_axis, devices)
-    out = fan_in(back, rp.row_of_token, rp.token_of_row)
-  stats = {
-      "received": ex.received,
+    per_pair = fan_out(y, gp.slot_of_choice, gp.choice_of_slot[:, None]).reshape(received, width, -1)
+    if ctx.float32_weight_sum:
+      per_pair, recv_w = per_pair.astype(jnp.float32), recv_w.astype(jnp.float32)
+    return jnp.sum(per_pair * recv_w[..., None].astype(per_pair.dtype), axis=1).astype(y.dtype), gp
+
+
+def stats(received, capacity: int, overflow, gp) -> dict:
+  """The strategy's stats (temoe.moe.exchange): pairs routed to me, my pair capacity, any cut, GEMM rows."""
+  return {
+      "received": received,
       "capacity": jnp.int32(capacity),
-      "overflow": ex.overflow,
+      "overflow": overflow,
       "padded": jnp.sum(gp.padded_group_sizes),
       "real": jnp.sum(gp.group_sizes),
   }
-  return out, stats

@@ -52,11 +52,15 @@ class RankPlan:
   pairs_to: jax.Array
 
 
-def plan_ranks(expert_ids: jax.Array, local_experts: int, devices: int) -> RankPlan:
-  """Plans my rows from `expert_ids` (tokens, top_k); experts [r * local_experts, ...) live on rank r."""
+def plan_ranks(expert_ids: jax.Array, local_experts: int, devices: int, valid: jax.Array | None = None) -> RankPlan:
+  """Plans my rows from `expert_ids` (tokens, top_k); experts [r * local_experts, ...) live on rank r.
+  `valid` (tokens, top_k) bool, where given, marks the choices that exist (a relayed row's empty slots
+  do not): the others get no row, no slot and no pair."""
   tokens, top_k = expert_ids.shape
   rows, width = send_rows(tokens, top_k, devices), slots(top_k, local_experts)
   rank = expert_ids // local_experts
+  if valid is not None:
+    rank = jnp.where(valid, rank, devices)  # the never-sent group
   same = rank[:, :, None] == rank[:, None, :]  # [t, k, k']
   earlier = jnp.tril(jnp.ones((top_k, top_k), bool), -1)  # [k, k']: k' < k
   dup = same & earlier
@@ -70,17 +74,22 @@ def plan_ranks(expert_ids: jax.Array, local_experts: int, devices: int) -> RankP
                                                                 unique_indices=True).reshape(tokens, top_k)
   real = jnp.arange(rows) < jnp.sum(counts[:devices])
   meta = (jnp.take_along_axis(position, first, axis=1) * width + slot).reshape(-1)
+  row_of_token = jnp.where(leader, position, rows)
+  if valid is not None:  # no slot for a missing choice: distinct out-of-range indices, dropped by the scatter
+    flat = valid.reshape(-1)
+    meta = jnp.where(flat, meta, rows * width + jnp.arange(tokens * top_k, dtype=jnp.int32))
+    row_of_token = jnp.where(valid, row_of_token, rows)
   choice_of_slot = jnp.full(rows * width, tokens * top_k, jnp.int32).at[meta].set(
-      jnp.arange(tokens * top_k, dtype=jnp.int32), unique_indices=True)
+      jnp.arange(tokens * top_k, dtype=jnp.int32), unique_indices=True, mode="drop")
   local_ids = take((expert_ids.reshape(-1) % local_experts + 1).astype(jnp.int32), choice_of_slot)
   return RankPlan(
       token_of_row=jnp.where(real, order[:rows] // top_k, tokens).astype(jnp.int32),
-      row_of_token=jnp.where(leader, position, rows).astype(jnp.int32),
+      row_of_token=row_of_token.astype(jnp.int32),
       choice_of_slot=choice_of_slot,
-      slot_of_choice=meta[:, None],
+      slot_of_choice=jnp.minimum(meta, rows * width)[:, None],
       local_ids=local_ids.reshape(rows, width),
       rows_to=counts[:devices],
-      pairs_to=jnp.bincount(rank.reshape(-1), length=devices).astype(jnp.int32),
+      pairs_to=jnp.bincount(rank.reshape(-1), length=devices + 1)[:devices].astype(jnp.int32),
   )
 
 
@@ -104,12 +113,15 @@ class RankExchange:
 
 
 def plan_exchange(rows_to: jax.Array, pairs_to: jax.Array, axis, devices: int, capacity: int, width: int) -> RankExchange:
-  """Plans the exchange from my per-rank row and pair counts, identically on every device: receivers
-  take senders in device order while their pairs fit `capacity`; the sender that does not fit sends
-  the prefix of its rows that fits whatever they carry (room // width rows), later senders none."""
-  me = jax.lax.axis_index(axis)
+  """Plans the exchange from my per-rank row and pair counts, identically on every device (`from_counts`)."""
   counts = jax.lax.all_gather(jnp.stack([rows_to, pairs_to]), axis).reshape(devices, 2, devices)
-  wanted, pairs = counts[:, 0], counts[:, 1]  # [src, dst]
+  return from_counts(counts[:, 0], counts[:, 1], jax.lax.axis_index(axis), capacity, width)
+
+
+def from_counts(wanted: jax.Array, pairs: jax.Array, me, capacity: int, width: int) -> RankExchange:
+  """The exchange of every device's rows `wanted` and pairs `pairs` ([src, dst]), seen from device `me`:
+  receivers take senders in device order while their pairs fit `capacity`; the sender that does not fit
+  sends the prefix of its rows that fits whatever they carry (room // width rows), later senders none."""
   room = jnp.maximum(capacity - exclusive_cumsum(pairs, 0), 0)
   sent = jnp.where(pairs <= room, wanted, jnp.minimum(wanted, room // width))
   landing = exclusive_cumsum(sent, 0)

@@ -1,0 +1,160 @@
+"""The hierarchical exchange (`te_moe_exchange=hier`) on a named vmap axis standing in for the expert mesh
+axis (one process, the same collectives): rows per hop against a numpy count, and forward and every
+gradient against the row-per-pair exchange and the one-device block, float32, fixed seeds: group-limited
+routing, skew, experts nobody routes to, an idle node, one rank per node, bounded buffers, and the GPU
+transport (`ragged_all_to_all`) on the reference model of its semantics."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_dedup_exchange import FAST_COMPILE, TOKENS, assert_close, one_device, reference_ragged_all_to_all, setup
+
+from temoe.moe import block, exchange
+from temoe.moe.context import MoEContext
+from temoe.moe.exchange import hier, padded, ragged
+
+
+def routing(seed, devices, local, top_k, kind):
+  """(devices, tokens, top_k) ids: grouped (DeepSeek-V3-like: 4 of 8 groups), skewed (node 0 hot),
+  empty_experts (every third expert unused), idle_node (node 1's experts unused; nodes of 2 ranks)."""
+  rng = np.random.default_rng(seed)
+  experts = devices * local
+  ids = np.zeros((devices, TOKENS, top_k), np.int64)
+  for d in range(devices):
+    for t in range(TOKENS):
+      pool, p = np.arange(experts), None
+      if kind == "grouped":
+        size = experts // 8
+        pool = np.concatenate([np.arange(g * size, (g + 1) * size) for g in rng.choice(8, 4, replace=False)])
+      elif kind == "skewed":
+        p = np.where(pool < experts // 4, 20.0, 1.0)
+        p /= p.sum()
+      elif kind == "empty_experts":
+        pool = pool[pool % 3 != 0]
+      elif kind == "idle_node":
+        pool = pool[pool // (2 * local) != 1]
+      ids[d, t] = rng.choice(pool, top_k, replace=False, p=p)
+  return jnp.asarray(ids, jnp.int32)
+
+
+def hier_run(devices, node, local, top_k, ids, args, factor=0.0, align=1, strategy=hier, **kw):
+  x, w, wi, wo, cot = args
+  ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
+                   ep_node_size=node, buffer_factor=factor, align=align)
+
+  def per_device(x, ids, w, wi, wo):
+    mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))
+    return strategy.run(ctx, x, ids, w, mlp, **kw)
+
+  def loss(x, w, wi, wo):
+    out, stats = jax.vmap(per_device, axis_name="ep")(
+        x, ids, w, wi.reshape(devices, local, *wi.shape[1:]), wo.reshape(devices, local, *wo.shape[1:]))
+    return jnp.sum(out * cot), (out, stats)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
+  (_, (out, stats)), grads = grad(x, w, wi, wo)
+  return out, stats, grads
+
+
+def hop_rows(ids, devices, node, local, capacity):
+  """(hop 1, hop 2) rows each device sends each device, from the plan and the padded transport."""
+
+  def plan(ids):
+    rp1, ex1, _ = hier.hop1(ids, local, node, devices, "ep", capacity)
+    relayed = padded.send(rp1.local_ids, ex1, capacity, "ep", devices)
+    _, ex2 = hier.hop2(relayed, local, node, devices, "ep", capacity)
+    return ex1.send_sizes, ex2.send_sizes
+
+  return (np.asarray(a) for a in jax.jit(jax.vmap(plan, axis_name="ep"))(ids))
+
+
+def distinct(ids, blocks, per):
+  """(devices, blocks): each device's distinct (token, block of `per` experts) pairs per block."""
+  ids = np.asarray(ids)
+  out = np.zeros((ids.shape[0], blocks), np.int64)
+  for d in range(ids.shape[0]):
+    for t in range(ids.shape[1]):
+      for b in set((ids[d, t] // per).tolist()):
+        out[d, b] += 1
+  return out
+
+
+CASES = {  # name: (devices, ranks per node, local experts, top_k, routing, also against row-per-pair)
+    "ep8_node4_deepseek_groups": (8, 4, 4, 8, "grouped", True),
+    "ep4_node2_skewed": (4, 2, 3, 4, "skewed", True),
+    "ep4_node2_empty_experts": (4, 2, 4, 3, "empty_experts", False),
+    "ep8_node2_idle_node": (8, 2, 2, 4, "idle_node", False),
+    "ep4_node1_top2": (4, 1, 2, 2, "skewed", False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hier_matches_row_per_pair_and_one_device(case):
+  devices, node, local, top_k, kind, against_pairs = CASES[case]
+  ids = routing(len(case), devices, local, top_k, kind)
+  args = setup(devices, local, top_k, ids, seed=len(case))
+  out, stats, grads = hier_run(devices, node, local, top_k, ids, args)
+  assert_close((out, grads), one_device(devices, local, top_k, ids, args))
+  pairs = np.stack([np.bincount(np.asarray(ids[d]).ravel() // local, minlength=devices) for d in range(devices)])
+  np.testing.assert_array_equal(stats["received"], pairs.sum(0))
+  assert not np.asarray(stats["overflow"]).any()
+  if against_pairs:  # each EP compile costs seconds on XLA:CPU
+    p_out, p_stats, p_grads = hier_run(devices, node, local, top_k, ids, args, strategy=padded)
+    assert_close((out, grads), (p_out, p_grads))
+    np.testing.assert_array_equal(stats["real"], p_stats["real"])  # the same pairs at the GEMMs
+    np.testing.assert_array_equal(stats["received"], p_stats["received"])
+  # Rows per hop: hop 1 carries each token once per destination node, to the relay of the sender's local
+  # index there; hop 2 once per (token, rank): in all, the distinct (token, rank) pairs.
+  one, two = hop_rows(ids, devices, node, local, exchange.receive_capacity(TOKENS * top_k, devices, 0.0))
+  nodes = distinct(ids, devices // node, node * local)
+  want = np.zeros((devices, devices), np.int64)
+  for src in range(devices):
+    want[src, np.arange(devices // node) * node + src % node] = nodes[src]
+  np.testing.assert_array_equal(one, want)
+  np.testing.assert_array_equal(two.sum(0), distinct(ids, devices, local).sum(0))
+  for src in range(devices):  # the in-node hop stays in the node
+    assert (two[src][np.arange(devices) // node != src // node] == 0).all()
+  if kind == "idle_node":
+    assert int(stats["received"][2]) == int(stats["received"][3]) == 0 and one[:, 2:4].sum() == 0
+
+
+@pytest.mark.parametrize("factor", [1.0, 4.0])
+def test_bounded_buffers_overflow_when_row_per_pair_does_and_stay_finite(factor):
+  devices, node, local, top_k = 4, 2, 4, 4
+  ids = routing(7, devices, local, top_k, "skewed")
+  args = setup(devices, local, top_k, ids)
+  _, stats, grads = hier_run(devices, node, local, top_k, ids, args, factor=factor)
+  _, p_stats, _ = hier_run(devices, node, local, top_k, ids, args, factor=factor, strategy=padded)
+  capacity = exchange.receive_capacity(TOKENS * top_k, devices, factor)
+  np.testing.assert_array_equal(stats["received"], p_stats["received"])
+  assert bool(np.asarray(p_stats["overflow"]).any()) == (factor == 1.0)  # the hot node overflows a 1x buffer
+  assert bool(np.asarray(stats["overflow"]).any()) == (factor == 1.0)
+  assert (np.asarray(stats["real"]) <= capacity).all()
+  assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_ragged_transport_uses_the_same_plan(monkeypatch):
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", reference_ragged_all_to_all)
+  devices, node, local, top_k = 4, 2, 4, 4
+  ids = routing(11, devices, local, top_k, "skewed")
+  args = setup(devices, local, top_k, ids)
+  out, stats, grads = hier_run(devices, node, local, top_k, ids, args, factor=4.0, align=4, moves=ragged)
+  assert not np.asarray(stats["overflow"]).any() and (np.asarray(stats["padded"]) % 4 == 0).all()
+  assert_close((out, grads), one_device(devices, local, top_k, ids, args))
+
+
+def test_hier_resolves_and_refuses_a_node_size_that_does_not_divide_the_axis():
+  assert exchange.resolve("hier", 64, "gpu", top_k=8, local_experts=4, node_size=8) == "hier"
+  assert exchange.resolve("hier", 8, "gpu", top_k=8, local_experts=4, node_size=8) == "dedup"  # one node
+  assert exchange.resolve("hier", 1, "gpu", node_size=8) == "local"
+  with pytest.raises(ValueError, match="te_moe_ep_node_size=8 does not divide the expert axis .12 ranks"):
+    exchange.resolve("hier", 12, "gpu", top_k=8, local_experts=4, node_size=8)
+  with pytest.raises(ValueError, match="te_moe_ep_node_size=0: ranks per node"):
+    exchange.check_node_size(0)
+  with pytest.raises(ValueError, match="valid choices: auto, ragged, padded, dedup, hier"):
+    exchange.check_choice("deepep")
