@@ -1,6 +1,6 @@
 """Calibration for `temoe plan`'s step model (temoe.tools.step_model): what one GPU measures, written to
-bench/results/calibration/<gpu>.json (`temoe.tools.calibration` reads it; a GPU without a file is scaled
-from the H200's and says so).
+plugin/temoe/tools/calibrations/<gpu>.json, temoe's package data (`temoe.tools.calibration` reads it; a GPU
+without a file is scaled from the H200's and says so).
 
 Measured on the GPU it runs on, each with its command and shapes in the JSON:
   grouped_mlp          one MoE layer (dispatch -> expert MLP -> combine, fwd+bwd) per expert path and shape
@@ -20,7 +20,7 @@ Measured on the GPU it runs on, each with its command and shapes in the JSON:
 then `fitted`, the constants no micro-benchmark gives, fitted to the committed H200 profile of the shipped
 proxy (bench/results/profile/temoe_fp8.json) when the GPU is an H200, else copied from the H200 file (said so).
 
-    python bench/calibrate.py [--out bench/results/calibration] [--iters 10]   # on a GPU
+    python bench/calibrate.py [--out plugin/temoe/tools/calibrations] [--iters 10]   # on a GPU
     python bench/calibrate.py --smoke --out DIR     # CPU, tiny shapes: every measurement runs, nothing is kept
     python bench/calibrate.py --derive              # the H200 file from numbers already under bench/results
 """
@@ -36,6 +36,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
+CALIBRATIONS = HERE.parent / "plugin" / "temoe" / "tools" / "calibrations"
+"""Where `temoe.tools.calibration` reads the rates: temoe's package data (a wheel and the image carry it)."""
 sys.path.insert(0, str(HERE))
 
 DSV3 = {"emb": 7168, "q_lora": 1536, "kv_lora": 512, "rope": 64, "heads": 128, "nope": 128, "v": 128, "mlp": 18432,
@@ -346,7 +348,7 @@ def measurements(smoke: bool, iters: int) -> dict:
 
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(RESULTS / "calibration"))
+  parser.add_argument("--out", default=str(CALIBRATIONS))
   parser.add_argument("--iters", type=int, default=10)
   parser.add_argument("--smoke", action="store_true", help="tiny shapes on any device (CPU: the test suite)")
   parser.add_argument("--derive", action="store_true", help="the H200 file from committed bench/results, no device")
@@ -392,7 +394,7 @@ def main() -> int:
     elif data["gpu"] == "h200":
       data["fitted"] = fit_h200(data)
     else:
-      reference = json.loads((RESULTS / "calibration" / "h200.json").read_text(encoding="utf-8"))
+      reference = json.loads((CALIBRATIONS / "h200.json").read_text(encoding="utf-8"))
       data["fitted"] = {**reference["fitted"], "note": "copied from h200.json: no profile of this GPU is committed"}
   path = pathlib.Path(args.out) / f"{name}.json"
   pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)

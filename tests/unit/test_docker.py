@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import re
 import shlex
 import shutil
@@ -204,3 +205,41 @@ def test_the_image_installs_the_pinned_stack_and_checks_it_before_it_exists():
       '--no-build-isolation "transformer_engine_jax==${TE_VERSION}"', "temoe doctor --image")]
   assert steps == sorted(steps) and steps[-1] == len(runs) - 1  # the check runs last, on the finished stack
   assert "--without-te" not in runs[-1]
+
+
+def build_context(dest: pathlib.Path) -> pathlib.Path:
+  """A copy of what `docker build .` sends: the tracked and untracked files .dockerignore lets through (links kept
+  as links, as the daemon gets them)."""
+  patterns = [p for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
+  files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+  for name in files:
+    if not dockerignored(name, patterns) and os.path.lexists(ROOT / name):
+      (dest / name).parent.mkdir(parents=True, exist_ok=True)
+      if os.path.islink(ROOT / name):
+        os.symlink(os.readlink(ROOT / name), dest / name)
+      else:
+        shutil.copy(ROOT / name, dest / name)
+  return dest
+
+
+def test_a_non_editable_install_from_the_build_context_carries_the_calibrations(tmp_path):
+  """The image's `pip install .` sees only the build context: the step model's calibrations must be package data
+  there (a link into bench/, which the context leaves out, gave `temoe plan` in the image no measured rates)."""
+  src = build_context(tmp_path / "context")
+  pip = [sys.executable, "-m", "pip", "-q"]
+  subprocess.run([*pip, "wheel", "--no-deps", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+  wheel = next((tmp_path / "dist").glob("temoe-*.whl"))
+  site = tmp_path / "site"
+  subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=300)
+  ours = sorted(p.name for p in (ROOT / "plugin/temoe/tools/calibrations").glob("*.json"))
+  assert ours, "no calibration in the checkout"
+  probe = ("import json; from temoe.tools import calibration as c; "
+           "print(json.dumps([str(c.DIRECTORY), c.available(), c.calibration_for('h200').describe()]))")
+  run = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(site)}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert run.returncode == 0, run.stderr[-3000:]
+  directory, available, described = json.loads(run.stdout)
+  assert directory == str(site / "temoe/tools/calibrations")
+  assert available == [name.removesuffix(".json") for name in ours]
+  assert described.startswith("h200: temoe/tools/calibrations/h200.json (")

@@ -1,5 +1,5 @@
-"""The rates `temoe plan`'s step model runs on: one JSON per GPU kind (`tools/calibrations/<gpu>.json`, a link
-to bench/results/calibration/, written by bench/calibrate.py), and their scaling to a GPU that has none.
+"""The rates `temoe plan`'s step model runs on: one JSON per GPU kind (`tools/calibrations/<gpu>.json`, package
+data written by bench/calibrate.py), and their scaling to a GPU that has none.
 
 A calibration holds what one GPU measured (one MoE layer per expert path and shape class, dense GEMM rates
 per dtype, attention core rates per kernel, elementwise bandwidth) and, under `fitted`, the few
@@ -19,7 +19,8 @@ import pathlib
 from temoe import hardware
 
 DIRECTORY = pathlib.Path(__file__).resolve().parent / "calibrations"
-"""Package data: a link to bench/results/calibration/ (a wheel holds copies of its files)."""
+"""Package data, in the package itself: a wheel, a non-editable install and the image carry it (a link out of the
+package would not reach them: the image's build context holds no bench/)."""
 
 REFERENCE = "h200"
 """The GPU kind a GPU without its own calibration is scaled from."""
@@ -150,5 +151,5 @@ def calibration_for(gpu_name: str, directory: pathlib.Path = DIRECTORY) -> Calib
   data = load(path)
   if data["gpu"] not in hardware.GPUS:
     raise CalibrationError(f"calibration {path} is for {data['gpu']!r}, not a GPU of temoe.hardware.GPUS")
-  display = path if not str(path).startswith(str(DIRECTORY)) else pathlib.Path("bench/results/calibration") / path.name
+  display = path if path.parent != DIRECTORY else pathlib.Path("temoe/tools/calibrations") / path.name
   return Calibration(hardware.GPUS[gpu_name], hardware.GPUS[data["gpu"]], data, str(display))
