@@ -3,12 +3,13 @@
 # namespace (NCCL and the JAX host-offload pool use shared memory), unlimited locked memory (pinned
 # host buffers) and a 64 MiB stack. The image's entrypoint adds the env profile for the GPU it finds.
 #
-#   launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] IMAGE [COMMAND ...]
+#   launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] IMAGE [COMMAND ...]
 #   launch/docker-run.sh temoe:dev doctor
 #   launch/docker-run.sh -v /lustre/runs:/runs temoe:dev train /opt/temoe/configs/deepseek3-smoke.yml \
 #       hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 base_output_directory=/runs
 #
-# `temoe launch docker` reads the TEMOE_DOCKER_FLAGS line below: edit it here, both follow.
+# `temoe launch docker` reads the TEMOE_DOCKER_FLAGS line below: edit it here, both follow. TEMOE_GPUS=none
+# leaves out `--gpus all` (a host without GPUs, e.g. the image test's CPU run; default: all).
 #
 # Exit codes (temoe.exits): a run that exits 75 (preempted after a checkpoint, a transient fault) is started
 # again, at most TEMOE_MAX_RESTARTS times (default 3), and resumes from its last checkpoint; any other code
@@ -19,16 +20,26 @@ set -euo pipefail
 TEMOE_DOCKER_FLAGS=(--gpus all --ipc host --ulimit memlock=-1:-1 --ulimit stack=67108864:67108864)
 max_restarts=${TEMOE_MAX_RESTARTS:-3}
 stop_timeout=${TEMOE_STOP_TIMEOUT:-300}
+case "${TEMOE_GPUS:-all}" in
+  all) ;;
+  none)
+    flags=()
+    for ((i = 0; i < ${#TEMOE_DOCKER_FLAGS[@]}; i += 2)); do
+      [ "${TEMOE_DOCKER_FLAGS[i]}" = --gpus ] || flags+=("${TEMOE_DOCKER_FLAGS[@]:i:2}")
+    done
+    TEMOE_DOCKER_FLAGS=("${flags[@]}") ;;
+  *) echo "docker-run.sh: TEMOE_GPUS=${TEMOE_GPUS}: valid: all, none" >&2; exit 2 ;;
+esac
 
 options=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    -v|-e|--name) [ $# -ge 2 ] || { echo "docker-run.sh: $1 needs a value" >&2; exit 2; }; options+=("$1" "$2"); shift 2 ;;
-    -*) echo "docker-run.sh: unknown option $1 (valid: -v HOST:CONTAINER[:ro], -e KEY=VALUE, --name NAME)" >&2; exit 2 ;;
+    -v|-e|--name|--network) [ $# -ge 2 ] || { echo "docker-run.sh: $1 needs a value" >&2; exit 2; }; options+=("$1" "$2"); shift 2 ;;
+    -*) echo "docker-run.sh: unknown option $1 (valid: -v HOST:CONTAINER[:ro], -e KEY=VALUE, --name NAME, --network NAME)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-[ $# -ge 1 ] || { echo "usage: launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] IMAGE [COMMAND ...]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] IMAGE [COMMAND ...]" >&2; exit 2; }
 image=$1
 shift
 restarts=0

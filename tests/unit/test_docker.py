@@ -243,3 +243,24 @@ def test_a_non_editable_install_from_the_build_context_carries_the_calibrations(
   assert directory == str(site / "temoe/tools/calibrations")
   assert available == [name.removesuffix(".json") for name in ours]
   assert described.startswith("h200: temoe/tools/calibrations/h200.json (")
+
+
+@pytest.mark.parametrize("gpus, options, want", [
+    (None, [], ["--gpus", "all", "--ipc", "host"]),
+    ("none", ["--network", "none"], ["--network", "none", "--ipc", "host"]),
+])
+def test_docker_run_sh_without_gpus_and_with_a_network(gpus, options, want, tmp_path):
+  """TEMOE_GPUS=none and --network (the image test's CPU run in a container with no network) reach `docker run`;
+  anything else is refused naming the valid choices."""
+  (tmp_path / "docker").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.argv"\n')
+  (tmp_path / "docker").chmod(0o755)
+  environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **({"TEMOE_GPUS": gpus} if gpus else {})}
+  run = subprocess.run(["bash", str(ROOT / "launch/docker-run.sh"), *options, "img", "doctor"], env=environ,
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert run.returncode == 0, run.stderr
+  argv = (tmp_path / "docker.argv").read_text().split("\n")[:-1]
+  assert argv[:2 + len(want)] == ["run", "--rm", *want] and argv[-2:] == ["img", "doctor"]
+  assert ("--gpus" in argv) == (gpus is None)
+  bad = subprocess.run(["bash", str(ROOT / "launch/docker-run.sh"), "img"], env={**environ, "TEMOE_GPUS": "2"},
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert bad.returncode == 2 and "TEMOE_GPUS=2: valid: all, none" in bad.stderr
