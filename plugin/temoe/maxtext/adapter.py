@@ -63,6 +63,8 @@ def context(layer) -> MoEContext:
       ep_size=layer.get_expert_parallelism_size() if mesh is not None else 1,
       buffer_factor=cfg.ragged_buffer_factor,
       exchange=cfg.te_moe_exchange,
+      ep_node_size=cfg.te_moe_ep_node_size,
+      chunks=cfg.te_moe_chunks,
       check_finite=cfg.te_moe_check_finite,
       name=layer_name(layer) if cfg.te_moe_check_finite else "MoE layer",
       fp8_weights=fp8_weights(cfg),

@@ -52,7 +52,16 @@ def temoe_config_class():
         "auto", description="temoe expert kernel: auto (the recipe's first kernel that runs here: temoe's mosaic for bf16 on Hopper, te, else xla), te, mosaic, xla."
     )
     te_moe_exchange: str = pydantic.Field(
-        "auto", description="temoe's expert-parallel exchange (temoe.moe.exchange): auto, ragged, padded, dedup."
+        "auto", description="temoe's expert-parallel exchange (temoe.moe.exchange): auto, ragged, padded, dedup, "
+        "hier (dedup in two hops where the expert axis spans nodes: once per node over the scale-out network)."
+    )
+    te_moe_ep_node_size: int = pydantic.Field(
+        8, description="With te_moe_exchange=hier: ranks of the expert axis that share a node (its NVLink domain): "
+        "ici_expert_parallelism where the axis spans slices."
+    )
+    te_moe_chunks: int = pydantic.Field(
+        1, description="temoe's routed experts in this many token chunks, each with its own exchange, so one "
+        "chunk's exchange can overlap another's GEMMs (the output is the unchunked one's)."
     )
     te_moe_check_finite: bool = pydantic.Field(
         False, description="Stop the step, naming the MoE layer, on a NaN/Inf in its output or incoming gradient."
@@ -96,6 +105,21 @@ def temoe_config_class():
 
       return exchange.check_choice(str(value))
 
+    @pydantic.field_validator("te_moe_ep_node_size", mode="before")
+    @classmethod
+    def _known_node_size(cls, value: Any) -> int:
+      from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+
+      return exchange.check_node_size(_integer(value, "te_moe_ep_node_size", "ranks per node along the expert axis"))
+
+    @pydantic.field_validator("te_moe_chunks", mode="before")
+    @classmethod
+    def _known_chunks(cls, value: Any) -> int:
+      value = _integer(value, "te_moe_chunks", "token chunks of the routed experts")
+      if value < 1:
+        raise ValueError(f"te_moe_chunks={value}: token chunks of the routed experts, an integer >= 1 (1: unchunked)")
+      return value
+
     @pydantic.model_validator(mode="wrap")
     @classmethod
     def _temoe_validate(cls, data: Any, handler):
@@ -111,6 +135,9 @@ def temoe_config_class():
         setattr(model, key, pydantic.TypeAdapter(type(LIFTED_TE_MOE_RESTRICTIONS[key])).validate_python(value))
       if model.te_moe_block:
         _validate_temoe(model, types)
+      elif model.te_moe_chunks != 1 or model.te_moe_exchange == "hier":
+        raise ValueError(f"te_moe_chunks={model.te_moe_chunks}, te_moe_exchange={model.te_moe_exchange}: temoe's "
+                         "block's settings; they need te_moe_block=true (or te_moe_chunks=1, te_moe_exchange=auto)")
       elif model.te_moe_fp8_weights != "remat":
         raise ValueError(f"te_moe_fp8_weights={model.te_moe_fp8_weights} places temoe's FP8 weight copies; "
                          "it needs te_moe_block=true (or te_moe_fp8_weights=remat)")
@@ -127,6 +154,7 @@ def _validate_temoe(model, types) -> None:
   ):
     raise ValueError("Loss-free load balancing is only supported for the DeepSeek decoder block.")
   _refuse_changed_semantics(model, types)
+  check_node_boundary(model)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   backend = recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
@@ -135,6 +163,38 @@ def _validate_temoe(model, types) -> None:
   from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
 
   mosaic_tokens.scalings_of(os.environ.get(mosaic_tokens.ENV))  # a bad TEMOE_TOKENS_MLP: refused here
+
+
+def _integer(value: Any, name: str, what: str) -> int:
+  """`value` as an int, or one error naming the flag (YAML and the command line may give a string)."""
+  try:
+    if isinstance(value, bool) or float(value) != int(float(value)):
+      raise ValueError
+    return int(float(value))
+  except (TypeError, ValueError):
+    raise ValueError(f"{name}={value!r}: {what}, an integer") from None
+
+
+def check_node_boundary(model) -> None:
+  """te_moe_ep_node_size, where the config says how many ranks of the expert axis share a slice: with
+  te_moe_exchange=hier a node must not straddle slices, and where the axis spans slices a node is one
+  (its ici_expert_parallelism ranks). Not hier: the setting would do nothing, so only its default passes."""
+  node, ici, dcn = model.te_moe_ep_node_size, model.ici_expert_parallelism, model.dcn_expert_parallelism
+  if model.te_moe_exchange != "hier":
+    if node != 8:
+      raise ValueError(f"te_moe_ep_node_size={node} is the node boundary of te_moe_exchange=hier; it does nothing "
+                       f"with te_moe_exchange={model.te_moe_exchange}: set te_moe_exchange=hier or leave it at 8")
+    return
+  if ici > 0 and dcn != 1 and ici != node:
+    raise ValueError(f"te_moe_ep_node_size={node}: the expert axis spans slices of ici_expert_parallelism={ici} "
+                     f"ranks; set te_moe_ep_node_size={ici}")
+  if ici > 0 and ici % node:
+    raise ValueError(f"te_moe_ep_node_size={node} does not divide ici_expert_parallelism={ici}: a node would straddle "
+                     f"slices; choose a divisor of {ici}")
+  if ici > 0 and dcn > 0:
+    from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+
+    exchange.check_node_size(node, ici * dcn)
 
 
 def place_fp8_weights(model, backend: str) -> None:
