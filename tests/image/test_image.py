@@ -1,0 +1,151 @@
+"""temoe's image, built and run for real: the Dockerfile, unchanged, on a stand-in of the NGC JAX MaxText base
+(tests/image/standin/), then `temoe doctor --image`, `temoe plan` and a few CPU training steps in the container
+(through launch/docker-run.sh, no network), and one SIGTERM: the container saves its step and exits 75.
+
+The engine: `docker` where a Docker engine answers (DOCKER_HOST included), else podman's Docker API (a
+`podman system service` this test starts and stops); with neither the file is skipped in one line. Nothing is
+installed unless CI=true or TEMOE_IMAGE_INSTALL=1 (then tests/image/engine.sh installs podman from Debian's
+packages; root). The stand-in is tagged by a hash of its inputs and built once per machine; temoe's own layers
+come from the engine's cache when their inputs did not change.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import pytest
+import runs
+import standin
+from conftest import ROOT
+
+IMAGE = os.environ.get("TEMOE_TEST_IMAGE", "temoe:image-test")
+ENGINE_SH = pathlib.Path(__file__).resolve().parent / "engine.sh"
+SMOKE = "/opt/temoe/configs/deepseek3-smoke.yml"
+CPU = ("-e", "JAX_PLATFORMS=cpu", "-e", "PYTHONUNBUFFERED=1")
+STEP = re.compile(r"completed step: (\d+),")
+
+
+def _answers(environ: dict[str, str]) -> bool:
+  if shutil.which("docker") is None:
+    return False
+  return subprocess.run(["docker", "version"], env=environ, capture_output=True, timeout=60, check=False).returncode == 0
+
+
+def _start_podman(environ: dict[str, str], sock: pathlib.Path) -> subprocess.Popen:
+  service = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{sock}"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  for _ in range(60):
+    if _answers(environ):
+      return service
+    if service.poll() is not None:
+      break
+    time.sleep(1)
+  service.terminate()
+  service.wait(30)
+  pytest.fail(f"podman system service did not answer on {sock}")
+
+
+@pytest.fixture(scope="session")
+def engine():
+  """The environment in which `docker` reaches an engine; skips where none answers."""
+  environ = {**os.environ, "DOCKER_BUILDKIT": "0"}  # the classic build API: podman's, and Docker's without buildx
+  if _answers(environ):
+    yield environ
+    return
+  asked = os.environ.get("CI") == "true" or os.environ.get("TEMOE_IMAGE_INSTALL") == "1"
+  if shutil.which("podman") is None and asked:
+    subprocess.run(["bash", str(ENGINE_SH), "install"], check=True, timeout=1200)
+  if shutil.which("docker") is None or shutil.which("podman") is None:
+    pytest.skip("image test skipped: no container engine (docker does not answer, podman is not installed; "
+                "CI=true or TEMOE_IMAGE_INSTALL=1 installs podman from Debian's packages)")
+  with tempfile.TemporaryDirectory(prefix="temoe-podman-") as tmp:
+    sock = pathlib.Path(tmp) / "podman.sock"
+    environ["DOCKER_HOST"] = f"unix://{sock}"
+    service = _start_podman(environ, sock)
+    try:
+      yield environ
+    finally:
+      service.terminate()
+      service.wait(60)
+
+
+def docker(engine: dict, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+  return subprocess.run(["docker", *args], env=engine, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="session")
+def image(engine) -> str:
+  """temoe's image built with `make image` on the stand-in base; returns its tag."""
+  try:
+    base = standin.ensure(log=print, environ=engine)
+  except standin.StandinError as exc:
+    pytest.fail(str(exc))
+  build = subprocess.run(["make", "--no-print-directory", "image", f"BASE_IMAGE={base}", f"IMAGE={IMAGE}"], cwd=ROOT,
+                         env=engine, capture_output=True, text=True, timeout=3600, check=False)
+  out = build.stdout + build.stderr
+  assert build.returncode == 0, f"make image BASE_IMAGE={base} failed:\n{out[-8000:]}"
+  assert "stack: fits" in out, out[-8000:]  # the build's own `temoe doctor --image` ran and found nothing
+  return IMAGE
+
+
+def test_doctor_in_the_image_finds_the_stack_temoe_is_tested_against(image, engine):
+  run = docker(engine, "run", "--rm", "--network", "none", *CPU, image, "doctor", "--image")
+  assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+  lines = dict(line.split(None, 1) for line in run.stdout.splitlines() if line.startswith("  "))
+  assert lines["Python"].startswith("3.12.")
+  assert lines["MaxText"].startswith("0.2.5, ") and lines["MaxText"].endswith("(wheel), base.yml as released")
+  assert lines["TE"].startswith("2.20.2, defines the ")
+  assert "temoe doctor --image:" not in run.stdout and run.stdout.rstrip().endswith("stack: fits")
+
+
+def test_plan_in_the_image_prices_the_step_with_the_packaged_calibration(image, engine):
+  run = docker(engine, "run", "--rm", "--network", "none", *CPU, image, "plan", SMOKE, "--gpu", "h200", "hardware=gpu")
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+  assert "step time on h200 (h200: temoe/tools/calibrations/h200.json (measured))" in run.stdout, run.stdout[-4000:]
+
+
+def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: str) -> subprocess.Popen:
+  """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`; output to out/log."""
+  out.mkdir(parents=True, exist_ok=True)
+  log = open(out / "log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  cmd = ["bash", str(ROOT / "launch/docker-run.sh"), "--network", "none", *CPU, "-v", f"{out}:/runs", image,
+         "train", SMOKE, "base_output_directory=/runs", "run_name=run", "metrics_file=/runs/metrics.jsonl",
+         "enable_tensorboard=false", *overrides]
+  return subprocess.Popen(cmd, env={**engine, "TEMOE_GPUS": "none", "TEMOE_MAX_RESTARTS": "1"}, stdout=log,
+                          stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def test_the_smoke_model_trains_in_the_container(image, engine, tmp_path):
+  proc = train_in_container(engine, image, tmp_path, "steps=4")
+  code = proc.wait(1800)
+  log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
+  assert code == 0, log[-6000:]
+  assert "te_moe_block=true -> temoe MoE block" in log, log[-6000:]
+  losses = runs.losses(tmp_path / "metrics.jsonl")
+  assert sorted(losses) == [0, 1, 2, 3], losses
+  assert all(math.isfinite(loss) for loss in losses.values()), losses
+
+
+def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, tmp_path):
+  """docker-run.sh passes the SIGTERM on to the container: temoe finishes its step, checkpoints it, exits 75, and
+  docker-run.sh, stopped, does not start it again. steps is far beyond what runs before the signal."""
+  proc = train_in_container(engine, image, tmp_path, "steps=100000", "enable_checkpointing=true",
+                            "checkpoint_period=100000", "async_checkpointing=false")
+  line = runs.signal_at(proc, tmp_path / "log", STEP.pattern, nth=2, timeout=1800)
+  code = proc.wait(900)
+  log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
+  assert line is not None, f"no second step before the run ended (exit {code}):\n{log[-6000:]}"
+  temoe_lines = runs.temoe_lines(log)
+  assert code == 75, f"exit {code}\n{log[-6000:]}"
+  stop = re.search(r"training stopped after step (\d+) of 100000: SIGTERM \(preemption or a stop request\); "
+                   r"checkpoint step (\d+) saved\. Exit 75 \(requeue\)", temoe_lines[-1] if temoe_lines else "")
+  assert stop and stop.group(1) == stop.group(2), log[-6000:]
+  assert runs.finalized_steps(tmp_path / "run" / "checkpoints")[-1] == int(stop.group(1))
+  assert "starting the container again" not in log and log.count("temoe entrypoint:") == 1
