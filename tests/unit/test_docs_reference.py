@@ -32,3 +32,15 @@ def test_pages_name_every_command_flag_and_recipe():
   cli_page, recipes_page = ((reference.REFERENCE / name).read_text() for name in ("cli.md", "recipes.md"))
   assert all(f"## temoe {name}" in cli_page for name in cli.SUBCOMMANDS)
   assert all(f"| `{name}` |" in recipes_page for name in recipes.REGISTRY)
+
+
+def test_docs_plots_are_drawn_from_the_canonical_results(tmp_path):
+  """docs/assets' plots are what bench/plots.py --docs draws from bench/results now (matplotlib pinned, Agg)."""
+  spec = importlib.util.spec_from_file_location("plots", ROOT / "bench" / "plots.py")
+  plots = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(plots)
+  written = plots.docs_plots(str(ROOT / "bench" / "results"), str(tmp_path))
+  assert len(written) == 3
+  for path in map(pathlib.Path, written):
+    committed = ROOT / "docs" / "assets" / path.name
+    assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: python bench/plots.py --docs"
