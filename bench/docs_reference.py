@@ -9,6 +9,7 @@ command's argparse help (`temoe.cli.SUBCOMMANDS`), the flags from temoe's config
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import pathlib
 import subprocess
@@ -51,8 +52,10 @@ def cli_page() -> str:
           "[Flags](flags.md) lists the keys temoe adds or widens."]
   for name in cli.SUBCOMMANDS:
     out += ["", f"## temoe {name}", "", "```text", help_text(["-m", "temoe", name]), "```"]
-  for command, module in TOOLS.items():
-    out += ["", f"## {command}", "", "```text", help_text(["-m", module]), "```"]
+  for command, name in TOOLS.items():
+    module = importlib.import_module(name)  # no argparse: its usage and purpose are its docstrings
+    usage = (module.main.__doc__ or command).split("\n\n", 1)[0].strip()
+    out += ["", f"## {command}", "", usage, "", module.__doc__.split("\n\n", 1)[0].strip()]
   return "\n".join(out) + "\n"
 
 
