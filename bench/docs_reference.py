@@ -96,14 +96,13 @@ def recipes_page() -> str:
          "`te_gmm_quantization` takes one of these recipes (`temoe.recipes.REGISTRY`). `te_moe_backend=auto` runs",
          "the first kernel in the recipe's list that runs on this GPU and shape; a named kernel that cannot is",
          "refused with one line. See [GPU recipes and kernels](../guides/gpu.md).", "",
-         "| recipe | what | forward / gradient operands | scaling | needs | kernels, `auto`'s order (rows per expert "
-         "group) | error bound vs float32 (forward, gradients) | bytes per quantized element |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-  for r in recipes.REGISTRY.values():
-    kernels = ", ".join(f"`{k}` ({a})" for k, a in r.align.items())
-    out.append(f"| `{r.name}` | {cell(r.summary)} | {r.fwd_dtype} / {r.bwd_dtype} | {r.scaling} | "
-               f"{capability(r.min_compute_capability)} | {kernels} | {r.error_bound[0]}, {r.error_bound[1]} | "
-               f"{r.operand_bytes:.4g} |")
+         "| recipe | what | forward / gradient operands | scaling | needs |", "| --- | --- | --- | --- | --- |"]
+  out += [f"| `{r.name}` | {cell(r.summary)} | {r.fwd_dtype} / {r.bwd_dtype} | {r.scaling} | "
+          f"{capability(r.min_compute_capability)} |" for r in recipes.REGISTRY.values()]
+  out += ["", "| recipe | kernels in `auto`'s order (rows per expert group) | error bound vs float32 (forward, gradients) "
+          "| bytes per quantized element |", "| --- | --- | --- | --- |"]
+  out += [f"| `{r.name}` | {', '.join(f'`{k}` ({a})' for k, a in r.align.items())} | {r.error_bound[0]}, "
+          f"{r.error_bound[1]} | {r.operand_bytes:.4g} |" for r in recipes.REGISTRY.values()]
   out += ["", "Kernels (`te_moe_backend`): " + ", ".join(f"`{b}`" for b in recipes.BACKENDS) + ".", "",
           "temoe's Hopper kernels (`mosaic`) take expert GEMM dims (`emb_dim`, `moe_mlp_dim`) in multiples of "
           + ", ".join(f"{m} ({s} scaling)" for s, m in recipes.MOSAIC_DIM_MULTIPLE.items())
