@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_dedup_exchange import FAST_COMPILE, TOKENS, assert_close, one_device, reference_ragged_all_to_all, setup
+from test_dedup_exchange import EMB, FAST_COMPILE, TOKENS, assert_close, one_device, reference_ragged_all_to_all, setup
 
 from temoe.moe import block, exchange
 from temoe.moe.context import MoEContext
 from temoe.moe.exchange import hier, padded, ragged
+from temoe.tools import exchange_volume
 
 
 def routing(seed, devices, local, top_k, kind):
@@ -119,6 +120,12 @@ def test_hier_matches_row_per_pair_and_one_device(case):
   np.testing.assert_array_equal(two.sum(0), distinct(ids, devices, local).sum(0))
   for src in range(devices):  # the in-node hop stays in the node
     assert (two[src][np.arange(devices) // node != src // node] == 0).all()
+  # The volume model, given the measured routing statistics, counts the same rows per dispatch.
+  v = exchange_volume.layer_volume("hier", TOKENS, EMB, top_k, devices, local,
+                                   exchange_volume.measured_distinct_ranks(ids, local), node_size=node,
+                                   distinct_nodes=exchange_volume.measured_distinct_ranks(ids, node * local))
+  assert v.rows_forward / 2 * devices == pytest.approx(one.sum() + two.sum())
+  assert (v.rows_scale_out + v.rows_in_node) * devices == pytest.approx(one.sum() + two.sum())
   if kind == "idle_node":
     assert int(stats["received"][2]) == int(stats["received"][3]) == 0 and one[:, 2:4].sum() == 0
 
@@ -158,3 +165,16 @@ def test_hier_resolves_and_refuses_a_node_size_that_does_not_divide_the_axis():
     exchange.check_node_size(0)
   with pytest.raises(ValueError, match="valid choices: auto, ragged, padded, dedup, hier"):
     exchange.check_choice("deepep")
+
+
+def test_deepseek_v3_on_ep_64_crosses_nodes_at_most_four_times_a_token():
+  """DeepSeek-V3 (256 experts, top-8 of 4 of 8 groups) on EP 64 of 8-rank nodes: a group's 32 experts fill one
+  node, so hier sends a token over the scale-out hop to at most its 4 groups' nodes, one of them its own."""
+  experts, top_k, ep, node, tokens = 256, 8, 64, 8, 4096
+  ranks = exchange_volume.modelled_distinct_ranks(experts, top_k, ep, 8, 4)
+  nodes = exchange_volume.modelled_distinct_nodes(experts, top_k, ep, node, 8, 4)
+  v = {s: exchange_volume.layer_volume(s, tokens, 7168, top_k, ep, experts // ep, ranks, node_size=node,
+                                       distinct_nodes=nodes) for s in ("ragged", "dedup", "hier")}
+  assert nodes <= 4 and v["hier"].rows_scale_out == pytest.approx(tokens * nodes * 7 / 8)
+  assert v["hier"].rows_scale_out < 0.5 * v["dedup"].rows_scale_out < 0.5 * v["ragged"].rows_scale_out
+  assert v["hier"].rows_in_node > v["dedup"].rows_in_node  # the price: the relays' fan-out over NVLink

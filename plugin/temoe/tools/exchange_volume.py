@@ -5,8 +5,13 @@ Routing statistics are the mean number of distinct expert-parallel ranks a token
 sit on (`distinct_ranks`): measured from expert ids (`measured_distinct_ranks`) or modelled
 (`modelled_distinct_ranks`: experts uniform among the groups a group-limited router allows). The
 row-per-pair exchange (ragged / padded) moves top_k rows per token each way; dedup moves
-`distinct_ranks` rows plus `slots` expert ids and weights per row. Rows count every row the
-all-to-all moves, a device's rows to itself included; the plan's all-gather is counted in bytes.
+`distinct_ranks` rows plus `slots` expert ids and weights per row; hier moves `distinct_nodes` rows
+over its scale-out hop (to the relays) and `distinct_ranks` inside the nodes. Rows count every row the
+all-to-all moves, a device's rows to itself included; the plan's all-gathers are counted in bytes.
+Rows per hop (`rows_scale_out` / `rows_in_node`, one dispatch) split them at the node boundary
+(`node_size` ranks of the expert axis a node): a row leaves its node when its destination is on
+another one, which the routing model makes (ep - node) / ep of a device's rows (nodes - 1) / nodes of
+hier's relayed ones.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class Volume:
   rows_backward: float  # their transposes
   bytes_forward: float
   bytes_backward: float
+  rows_scale_out: float = 0.0  # one dispatch: rows that leave the device's node (the return moves as many)
+  rows_in_node: float = 0.0  # one dispatch: rows that stay in it (NVLink, or the device itself)
 
   @property
   def bytes(self) -> float:
@@ -56,9 +63,28 @@ class Volume:
 
 
 def layer_volume(strategy: str, tokens: int, emb: int, top_k: int, ep_size: int, local_experts: int,
-                 distinct_ranks: float, act_bytes: int = 2, weight_bytes: int = 4) -> Volume:
-  """Per device and layer for `tokens` routed tokens of width `emb` in `act_bytes` per element."""
+                 distinct_ranks: float, act_bytes: int = 2, weight_bytes: int = 4, node_size: int = 8,
+                 distinct_nodes: float | None = None) -> Volume:
+  """Per device and layer for `tokens` routed tokens of width `emb` in `act_bytes` per element; hier
+  needs `distinct_nodes` (destination nodes per token) where the axis spans nodes of `node_size` ranks."""
   row = emb * act_bytes
+  node = min(node_size, ep_size)
+  leaves = (ep_size - node) / ep_size  # share of a device's destinations on other nodes
+  if strategy == "hier" and ep_size <= node_size:  # one node: the exchange is dedup
+    return dataclasses.replace(layer_volume("dedup", tokens, emb, top_k, ep_size, local_experts, distinct_ranks,
+                                            act_bytes, weight_bytes, node_size), strategy="hier")
+  if strategy == "hier":
+    if distinct_nodes is None:
+      raise ValueError("the hierarchical exchange's volume needs distinct_nodes (destination nodes per token)")
+    nodes = ep_size // node_size
+    rows1, rows2 = tokens * distinct_nodes, tokens * distinct_ranks
+    width1, width2 = min(top_k, node_size * local_experts), min(top_k, local_experts)
+    meta = rows1 * width1 + rows2 * width2
+    plan = ep_size * 3 * ep_size * 4 + ep_size * 2 * ep_size * 4
+    fwd = 2 * (rows1 + rows2) * row + meta * (4 + weight_bytes) + plan
+    bwd = 2 * (rows1 + rows2) * row + meta * weight_bytes
+    out = rows1 * (nodes - 1) / nodes
+    return Volume(strategy, 2 * (rows1 + rows2), 2 * (rows1 + rows2), fwd, bwd, out, rows1 + rows2 - out)
   if strategy == "dedup":
     rows, width = tokens * distinct_ranks, min(top_k, local_experts)
     meta = rows * width * (4 + weight_bytes)  # expert ids and weights, forward; weight grads back
@@ -72,30 +98,44 @@ def layer_volume(strategy: str, tokens: int, emb: int, top_k: int, ep_size: int,
       fwd, bwd = 2 * ep_size * rows * row + plan, 2 * ep_size * rows * row
       rows = ep_size * rows
   else:
-    raise ValueError(f"exchange strategy {strategy!r}; valid choices: ragged, padded, dedup")
-  return Volume(strategy, 2 * rows, 2 * rows, fwd, bwd)
+    raise ValueError(f"exchange strategy {strategy!r}; valid choices: ragged, padded, dedup, hier")
+  return Volume(strategy, 2 * rows, 2 * rows, fwd, bwd, rows * leaves, rows * (1 - leaves))
+
+
+def modelled_distinct_nodes(num_experts: int, top_k: int, ep_size: int, node_size: int, groups: int = 1,
+                            topk_group: int = 1) -> float:
+  """E[distinct destination nodes per token]: `modelled_distinct_ranks` over nodes of `node_size` ranks."""
+  return modelled_distinct_ranks(num_experts, top_k, max(ep_size // node_size, 1), groups, topk_group)
 
 
 def ep_size_of(mesh) -> int:
   return int(dict(mesh.shape).get("expert", 1))
 
 
+def node_size_of(config) -> int:
+  return int(getattr(config, "te_moe_ep_node_size", 8))
+
+
 def config_volumes(config, mesh, distinct_ranks: float | None = None) -> dict[str, Volume]:
-  """Per device and MoE layer, for ragged and dedup (the GPU transports), from a MaxText config and
+  """Per device and MoE layer, for ragged, dedup and hier (the GPU transports), from a MaxText config and
   mesh; distinct_ranks defaults to the config's router modelled (`modelled_distinct_ranks`)."""
   ep = ep_size_of(mesh)
   local = config.num_experts // ep
+  groups = (config.n_routing_groups, config.topk_routing_group)
   if distinct_ranks is None:
-    distinct_ranks = modelled_distinct_ranks(config.num_experts, config.num_experts_per_tok, ep,
-                                             config.n_routing_groups, config.topk_routing_group)
+    distinct_ranks = modelled_distinct_ranks(config.num_experts, config.num_experts_per_tok, ep, *groups)
+  node = node_size_of(config)
+  nodes = modelled_distinct_nodes(config.num_experts, config.num_experts_per_tok, ep, node, *groups)
   tokens = config.per_device_batch_size * config.max_target_length
   act = np.dtype(str(config.dtype)).itemsize if str(config.dtype) != "bfloat16" else 2
-  return {s: layer_volume(s, int(tokens), config.emb_dim, config.num_experts_per_tok, ep, local, distinct_ranks, act)
-          for s in ("ragged", "dedup")}
+  return {s: layer_volume(s, int(tokens), config.emb_dim, config.num_experts_per_tok, ep, local, distinct_ranks, act,
+                          node_size=node, distinct_nodes=nodes)
+          for s in ("ragged", "dedup", "hier")}
 
 
 def summary_lines(config, mesh) -> list[str]:
-  """What `temoe plan` prints: the per-step all-to-all volume per device, each strategy."""
+  """What `temoe plan` prints: the per-step all-to-all volume per device, each strategy, and its rows per hop
+  (leaving the node / inside it) where the expert axis spans nodes."""
   ep = ep_size_of(mesh)
   if ep == 1 or config.num_experts <= 1:
     return ["  expert all-to-all: none (no expert-parallel axis)"]
@@ -103,9 +143,12 @@ def summary_lines(config, mesh) -> list[str]:
   distinct = modelled_distinct_ranks(config.num_experts, config.num_experts_per_tok, ep,
                                      config.n_routing_groups, config.topk_routing_group)
   v = config_volumes(config, mesh, distinct)
+  node = node_size_of(config)
   lines = [f"  expert all-to-all per step per device (EP {ep}, {layers} MoE layer passes, fwd + bwd; "
            f"{distinct:.2f} ranks/token modelled of top-{config.num_experts_per_tok}):"]
-  for name in ("ragged", "dedup"):
+  for name in ("ragged", "dedup", "hier") if ep > node else ("ragged", "dedup"):
+    hops = (f"; a dispatch: {v[name].rows_scale_out:,.0f} rows leave the node, {v[name].rows_in_node:,.0f} stay"
+            if ep > node else "")
     lines.append(f"    {name:<7} {v[name].bytes * layers / 2**30:8.2f} GiB  "
-                 f"({v[name].rows_forward * layers:,.0f} rows there and back in the forward pass)")
+                 f"({v[name].rows_forward * layers:,.0f} rows there and back in the forward pass{hops})")
   return lines
