@@ -67,10 +67,26 @@ def rows() -> list[tuple[str, str, str, str, str]]:
   return out
 
 
+MARGINAL_TARGET = 2.0  # the marginal MoE decoder layer against stock MaxText's best
+PLAN_TOLERANCE = 0.25  # temoe plan against each published run
+
+
+def targets() -> str:
+  """The two targets, met or not, from the same files as the table."""
+  ratio = read(PROXY)["marginal_moe_layer"]["ratio"]
+  published = [r for r in read(PLAN)["rows"] if r["kind"] == "published" and r["unit"] == "TFLOP/s/GPU"]
+  within = [r for r in published if abs(r["predicted"] / r["reference"] - 1) <= PLAN_TOLERANCE]
+  worst = max(published, key=lambda r: abs(r["predicted"] / r["reference"] - 1))
+  return (f"Targets: the marginal MoE decoder layer at {MARGINAL_TARGET:g}x stock MaxText's, now {ratio:.2f}x "
+          f"({'met' if ratio >= MARGINAL_TARGET else 'not met'}); `temoe plan` within {PLAN_TOLERANCE:.0%} of each "
+          f"published run, now {len(within)} of {len(published)} (the furthest: {worst['name']}, "
+          f"{worst['predicted'] / worst['reference']:.2f}).")
+
+
 def table() -> str:
   lines = ["| result | temoe | against | ratio | from |", "| --- | --- | --- | --- | --- |"]
   lines += ["| " + " | ".join(r) + " |" for r in rows()]
-  return "\n".join([BEGIN, *lines, END])
+  return "\n".join([BEGIN, *lines, "", targets(), END])
 
 
 def replaced(text: str) -> str:

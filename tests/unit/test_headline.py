@@ -35,7 +35,7 @@ def test_table_follows_the_json(tmp_path, monkeypatch):
   proxy["marginal_moe_layer"]["ratio"] = 2.5
   (tmp_path / headline.PROXY).write_text(json.dumps(proxy))
   after = headline.table()
-  assert before != after and "**2.50x**" in after
+  assert before != after and "**2.50x**" in after and "now 2.50x (met)" in after
 
 
 def test_every_linked_result_exists():
