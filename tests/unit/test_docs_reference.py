@@ -2,7 +2,11 @@
 the code: a changed command, flag or recipe that is not regenerated fails here."""
 
 import importlib.util
+import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +48,16 @@ def test_docs_plots_are_drawn_from_the_canonical_results(tmp_path):
   for path in map(pathlib.Path, written):
     committed = ROOT / "docs" / "assets" / path.name
     assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: python bench/plots.py --docs"
+
+
+def test_quiet_strict_docs_build_fails_on_a_broken_link(tmp_path):
+  """`make docs` builds with --strict --quiet; MkDocs' --quiet alone would drop the warnings strict mode counts
+  (docs/strict_warnings.py keeps them), so a broken link must still fail the build."""
+  shutil.copytree(ROOT / "docs", tmp_path / "docs")
+  shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+  with open(tmp_path / "docs" / "design.md", "a") as f:
+    f.write("\n[a page that does not exist](no-such-page.md)\n")
+  done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir",
+                         str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+  assert done.returncode != 0 and "no-such-page.md" in done.stderr, done.stderr[-2000:]
