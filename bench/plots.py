@@ -42,7 +42,7 @@ LAYER_PATHS = {"temoe_fp8": "temoe FP8 current", "temoe_fp8_blockwise": "temoe F
 
 
 def docs_plots(results: str, out: str) -> list[str]:
-  """The layer sweep, the proxy's marginal layer and the plan against published runs, as PNGs under `out`."""
+  """The layer sweep, the proxy's marginal layer, the small model and the plan against published runs: PNGs in `out`."""
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
 
@@ -69,6 +69,15 @@ def docs_plots(results: str, out: str) -> list[str]:
                   "ms per MoE decoder layer (lower is better)",
                   "1-GPU DeepSeek-V3 proxy, H200: the marginal MoE decoder layer", figsize=(7, 4), legend_size=9,
                   headroom=1.25):
+    written.append(path)
+  small = read("small_model.scan_layers.json")
+  forms = {"layers scanned": small["scan_layers_true"], "layers unrolled (shipped)": small["scan_layers_false"]}
+  names = {"temoe_bf16": "temoe bf16", "temoe_fp8": "temoe FP8 current", "tokamax": "tokamax bf16 (stock MaxText)"}
+  series = {label: [f["paths"][p]["tokens_per_s"] / 1e3 for f in forms.values()] for p, label in names.items()}
+  path = os.path.join(out, "small_model.png")
+  if grouped_bars(path, list(forms), series, "thousand tokens/s",
+                  "The small DeepSeek-V3-shaped model on one H200, batch 32",
+                  figsize=(7, 4), legend_size=9, headroom=1.25):
     written.append(path)
   rows = [r for r in read("step_model_check.json")["rows"] if r["kind"] == "published" and r["unit"] == "TFLOP/s/GPU"]
   series = {"temoe plan (predicted)": [r["predicted"] for r in rows], "published": [r["reference"] for r in rows]}

@@ -44,7 +44,7 @@ def test_docs_plots_are_drawn_from_the_canonical_results(tmp_path):
   plots = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(plots)
   written = plots.docs_plots(str(ROOT / "bench" / "results"), str(tmp_path))
-  assert len(written) == 3
+  assert len(written) == 4
   for path in map(pathlib.Path, written):
     committed = ROOT / "docs" / "assets" / path.name
     assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: python bench/plots.py --docs"
