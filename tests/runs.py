@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,11 +38,22 @@ def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str
 def start_group(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str,
                 processes: int = 2) -> list[subprocess.Popen]:
   """Starts one run as `processes` processes joined by jax.distributed, with the variables srun gives each
-  task (JAX's Slurm detection: coordinator on localhost, a port from the job id); logs <metrics>.<i>.log."""
-  job = str(random.randrange(10_000, 1_000_000))
+  task (JAX's Slurm detection: process id and count), the coordinator on a port no process listens on now
+  (JAX_COORDINATOR_ADDRESS; Slurm's own port, from the job id, could be another group's); logs
+  <metrics>.<i>.log."""
+  port = free_port()
   return [start(base, data, run, metrics, *overrides, log_name=f"{metrics}.{rank}.log", env={
-      "SLURM_JOB_ID": job, "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": str(processes),
-      "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank)}) for rank in range(processes)]
+      "SLURM_JOB_ID": str(port), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": str(processes),
+      "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "JAX_COORDINATOR_ADDRESS": f"localhost:{port}"})
+      for rank in range(processes)]
+
+
+def free_port() -> int:
+  """A TCP port the system hands out as unused (bound to port 0, then closed): not a draw of ours from a
+  fixed range, where two groups running at once (two pytest workers, two sessions) could meet."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
 
 
 def signal_at(proc: subprocess.Popen, log: pathlib.Path, pattern: str, nth: int = 1, sig: int = signal.SIGTERM,

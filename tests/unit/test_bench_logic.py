@@ -146,7 +146,8 @@ def test_small_model_bad_input_is_one_line_before_anything_runs(args, message):
 
 def test_kernel_times_host_mode_reads_the_host_threads_of_a_trace(tmp_path):
   """bench/kernel_times.py --host: a host-side annotation that sleeps 20 ms a step shows with its
-  time per step on its thread (what a host-bound step is checked with)."""
+  time per step on its thread (what a host-bound step is checked with), in milliseconds: at least the
+  sleep, at most the wall time around the annotated steps (no bound that a busy machine could break)."""
   import time  # pylint: disable=import-outside-toplevel
 
   import jax  # pylint: disable=import-outside-toplevel
@@ -158,14 +159,16 @@ def test_kernel_times_host_mode_reads_the_host_threads_of_a_trace(tmp_path):
   x = jnp.ones((64, 64))
   f(x).block_until_ready()
   with jax.profiler.trace(str(tmp_path)):
+    start = time.perf_counter()
     for _ in range(3):
       with jax.profiler.TraceAnnotation("host_step_of_the_test"):
         f(x).block_until_ready()
         time.sleep(0.02)
+    wall_ms = (time.perf_counter() - start) * 1e3 / 3
   (trace,) = tmp_path.rglob("*.xplane.pb")
   host = kernel_times.kernel_ms(str(trace), 3, host=True)
   (key,) = [k for k in host if k.endswith("| host_step_of_the_test")]
-  assert 20.0 <= host[key]["ms_per_iter"] < 200.0 and host[key]["launches_per_iter"] == 1
+  assert 20.0 <= host[key]["ms_per_iter"] <= wall_ms and host[key]["launches_per_iter"] == 1, (host[key], wall_ms)
   assert not any("host_step_of_the_test" in k for k in kernel_times.kernel_ms(str(trace), 3))  # not a GPU kernel
 
 
