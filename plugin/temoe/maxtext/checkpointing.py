@@ -87,7 +87,7 @@ def write_failed(step: int, config, err: OSError) -> failures.TrainingStopped:
   what = f"step {earlier[0]} (an asynchronous save, found failed when saving step {step})" if earlier else f"step {step}"
   return failures.TrainingStopped(
       f"the checkpoint of {what} could not be written to {where}: {err.strerror}; nothing of it is "
-      f"listed as a step (the latest committed one is {latest(config.checkpoint_dir)}). Free space or fix the "
+      f"listed as a step (the latest committed one is {failures.latest(config.checkpoint_dir)}). Free space or fix the "
       "mount, then run again with the same run_name to resume.", write_exit_code(err)
   )
 
@@ -95,13 +95,6 @@ def write_failed(step: int, config, err: OSError) -> failures.TrainingStopped:
 def write_exit_code(err: OSError) -> int:
   """A full, read-only or forbidden disk needs a person; an I/O error may pass on a retry."""
   return exits.REQUEUE if err.errno in failures.TRANSIENT_ERRNOS else exits.NEEDS_PERSON
-
-
-def latest(checkpoint_dir: str) -> str:
-  from temoe.run import preflight  # pylint: disable=import-outside-toplevel
-
-  steps = preflight.finalized_steps(checkpoint_dir)
-  return f"step {steps[-1]}" if steps else "none"
 
 
 def record_committed(checkpoint_dir: str, wait: bool = False) -> None:
@@ -291,7 +284,7 @@ def install() -> None:
     if bad:
       raise failures.TrainingStopped(
           f"the train state after step {step} has NaN/Inf values (in {', '.join(bad)}), so it was not "
-          f"checkpointed; the latest checkpoint ({latest(config.checkpoint_dir)}) is the last good one: rerun "
+          f"checkpointed; the latest checkpoint ({failures.latest(config.checkpoint_dir)}) is the last good one: rerun "
           "with the same run_name to resume from it, after lowering learning_rate or fixing the data."
       )
     record_committed(config.checkpoint_dir)

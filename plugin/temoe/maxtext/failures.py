@@ -91,6 +91,14 @@ def stopped(exc: BaseException, jax_device_state: dict, python_vars: dict, immut
   return TrainingStopped(f"training stopped at step {step} of {steps}: {what}; {kept}.", code)
 
 
+def latest(checkpoint_dir: str) -> str:
+  """'step N' of the latest committed checkpoint in `checkpoint_dir`, or 'none'."""
+  from temoe.run import preflight  # pylint: disable=import-outside-toplevel
+
+  steps = preflight.finalized_steps(checkpoint_dir)
+  return f"step {steps[-1]}" if steps else "none"
+
+
 def save_last(jax_device_state: dict, python_vars: dict, immutable_data: dict, step: int) -> str:
   """Checkpoints the state after `step` (MaxText's final save: skipped if that step is saved already)
   and waits until it and any asynchronous save in flight are committed; says what it kept."""
@@ -125,11 +133,9 @@ def loss_stopped(metrics: dict, step: int, config) -> TrainingStopped | None:
   loss = float((metrics.get("scalar") or {}).get("learning/loss", 0.0))
   if math.isfinite(loss):
     return None
-  from temoe.maxtext import checkpointing  # pylint: disable=import-outside-toplevel
-
   steps = progress.get("steps", getattr(config, "steps", "?"))
   if getattr(config, "enable_checkpointing", False):
-    kept = (f"the latest checkpoint ({checkpointing.latest(config.checkpoint_dir)}) is finite: lower learning_rate or "
+    kept = (f"the latest checkpoint ({latest(config.checkpoint_dir)}) is finite: lower learning_rate or "
             "fix the data, then rerun with the same run_name to resume from it (te_resume_step=N for an earlier one)")
   else:
     kept = "no checkpoint (checkpointing is off): lower learning_rate or fix the data, then rerun"
