@@ -11,11 +11,13 @@ come from the engine's cache when their inputs did not change.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pathlib
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -111,11 +113,24 @@ def test_plan_in_the_image_prices_the_step_with_the_packaged_calibration(image, 
   assert "step time on h200 (h200: temoe/tools/calibrations/h200.json (measured))" in run.stdout, run.stdout[-4000:]
 
 
-def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: str) -> subprocess.Popen:
-  """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`; output to out/log."""
+@contextlib.contextmanager
+def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: str):
+  """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`, its output in
+  out/log; the container is removed on the way out whatever happened."""
+  name = f"temoe-image-test-{os.getpid()}-{out.name}"
+  proc = _start(engine, image, out, name, *overrides)
+  try:
+    yield proc
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    docker(engine, "rm", "-f", name, timeout=120)
+
+
+def _start(engine: dict, image: str, out: pathlib.Path, name: str, *overrides: str) -> subprocess.Popen:
   out.mkdir(parents=True, exist_ok=True)
   log = open(out / "log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  cmd = ["bash", str(ROOT / "launch/docker-run.sh"), "--network", "none", *CPU, "-v", f"{out}:/runs", image,
+  cmd = ["bash", str(ROOT / "launch/docker-run.sh"), "--name", name, "--network", "none", *CPU, "-v", f"{out}:/runs", image,
          "train", SMOKE, "base_output_directory=/runs", "run_name=run", "metrics_file=/runs/metrics.jsonl",
          "enable_tensorboard=false", *overrides]
   return subprocess.Popen(cmd, env={**engine, "TEMOE_GPUS": "none", "TEMOE_MAX_RESTARTS": "1"}, stdout=log,
@@ -123,8 +138,8 @@ def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: 
 
 
 def test_the_smoke_model_trains_in_the_container(image, engine, tmp_path):
-  proc = train_in_container(engine, image, tmp_path, "steps=4")
-  code = proc.wait(1800)
+  with train_in_container(engine, image, tmp_path, "steps=4") as proc:
+    code = proc.wait(1800)
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
   assert code == 0, log[-6000:]
   assert "te_moe_block=true -> temoe MoE block" in log, log[-6000:]
@@ -136,12 +151,17 @@ def test_the_smoke_model_trains_in_the_container(image, engine, tmp_path):
 def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, tmp_path):
   """docker-run.sh passes the SIGTERM on to the container: temoe finishes its step, checkpoints it, exits 75, and
   docker-run.sh, stopped, does not start it again. steps is far beyond what runs before the signal."""
-  proc = train_in_container(engine, image, tmp_path, "steps=100000", "enable_checkpointing=true",
-                            "checkpoint_period=100000", "async_checkpointing=false")
-  line = runs.signal_at(proc, tmp_path / "log", STEP.pattern, nth=2, timeout=1800)
-  code = proc.wait(900)
+  with train_in_container(engine, image, tmp_path, "steps=100000", "enable_checkpointing=true",
+                          "checkpoint_period=100000", "async_checkpointing=false") as proc:
+    deadline, stepped = time.monotonic() + 1800, False
+    while not stepped and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.5)  # the run cannot finish meanwhile: the signal may come late, never too late
+      stepped = len(STEP.findall((tmp_path / "log").read_text(encoding="utf-8", errors="replace"))) >= 2
+    if proc.poll() is None:
+      os.kill(proc.pid, signal.SIGTERM)
+    code = proc.wait(900)
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
-  assert line is not None, f"no second step before the run ended (exit {code}):\n{log[-6000:]}"
+  assert stepped, f"no second step before the run ended (exit {code}):\n{log[-6000:]}"
   temoe_lines = runs.temoe_lines(log)
   assert code == 75, f"exit {code}\n{log[-6000:]}"
   stop = re.search(r"training stopped after step (\d+) of 100000: SIGTERM \(preemption or a stop request\); "
