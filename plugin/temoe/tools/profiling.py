@@ -209,9 +209,10 @@ def _device_breakdown(ops, modules, steps):
   return n, totals, spent, info
 
 
-def breakdown(xplane: str, steps: int | None = None, module: str = "train_step") -> dict:
-  """Per-step ms by category (averaged over devices), from one .xplane.pb of a training run."""
-  modules, per_device = hlo_modules(xplane), device_ops(xplane)
+def breakdown(xplane: str, steps: int | None = None, module: str = "train_step", modules: dict | None = None) -> dict:
+  """Per-step ms by category (averaged over devices), from one .xplane.pb of a training run; the HLO modules
+  from the trace (xprof), or `modules` (name -> hlo_instructions, e.g. from XLA's dump: dumped_modules)."""
+  modules, per_device = hlo_modules(xplane) if modules is None else modules, device_ops(xplane)
   names = collections.Counter(op[3] for ops in per_device.values() for op in ops)
   wanted = {m for m in names if module in m} or ({names.most_common(1)[0][0]} if names else set())
   totals, top, info, seen = collections.defaultdict(float), collections.defaultdict(float), {}, []
@@ -246,6 +247,49 @@ def breakdown(xplane: str, steps: int | None = None, module: str = "train_step")
   }
 
 
+def dumped_hlo(dump_dir: str, module: str = "train_step") -> str:
+  """The optimized HLO text of the largest module named like `module` in an XLA dump (--xla_dump_to with
+  --xla_dump_hlo_as_text): what ran, scheduled, with op_name metadata."""
+  found = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations.txt")) if module in os.path.basename(f)]
+  if not found:
+    raise FileNotFoundError(f"temoe profile: no optimized HLO of a {module} module under {dump_dir}")
+  with open(max(found, key=os.path.getsize), encoding="utf-8") as f:
+    return f.read()
+
+
+def dumped_modules(dump_dir: str, module: str = "train_step") -> dict[str, dict[str, tuple[str, str]]]:
+  """breakdown's `modules` from an XLA dump instead of the trace (where xprof is not installed)."""
+  text = dumped_hlo(dump_dir, module)
+  name = re.search(r"^HloModule\s+([^\s,]+)", text, re.M)
+  return {f"{name.group(1) if name else module}(dump)": hlo_instructions(text)}
+
+
+def dump_flags(dump_dir: str, module: str = "train_step") -> str:
+  """XLA_FLAGS that dump the optimized HLO of the modules named like `module` as text into `dump_dir`."""
+  return f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*{module}.*"
+
+
+def op_ms(xplane: str, steps: int | None = None, module: str = "train_step", modules: dict | None = None) -> dict:
+  """HLO instruction name -> its device time per step on the trace's first device (containers left out: their
+  events span their children), summed over its runs: what tools.hlo_schedule prices overlap with."""
+  per_device = device_ops(xplane)
+  device = min((d for d, ops in per_device.items() if any(module in op[3] for op in ops)), default=None)
+  if device is None:
+    return {}
+  ops = [op for op in per_device[device] if module in op[3]]
+  n = len({op[5] for op in ops if op[5] is not None}) or steps or 1
+  skip = {name for insts in (modules or {}).values() for name, (opcode, _) in insts.items() if opcode in CONTAINERS}
+  lines = collections.defaultdict(list)
+  for start, end, line, _, _, _, hlo_op in ops:
+    if hlo_op not in skip:
+      lines[line].append((start, end, hlo_op))
+  out = collections.defaultdict(float)
+  for events in lines.values():
+    for start, end, hlo_op in _leaf_segments(events):
+      out[hlo_op] += (end - start) / n / 1e6
+  return dict(out)
+
+
 def latest_trace(path: str) -> str:
   """The newest .xplane.pb at or under `path` (a run directory, a profile directory, or the file)."""
   if path.endswith(".xplane.pb"):
@@ -272,8 +316,10 @@ def _maxtext_step_ms(metrics_file: str, first: int, count: int) -> float | None:
   return 1e3 * statistics.median(times) if times else None
 
 
-def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: int, gpu: str | None) -> dict:
-  """Trains `skip + steps` steps of `config` in this process with the last `steps` traced."""
+def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: int, gpu: str | None,
+                hlo_dir: str | None = None) -> dict:
+  """Trains `skip + steps` steps of `config` in this process with the last `steps` traced; with `hlo_dir`,
+  XLA dumps the step's optimized HLO there and the breakdown reads its instructions from it (no xprof)."""
   from temoe import cli  # pylint: disable=import-outside-toplevel
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
@@ -284,7 +330,10 @@ def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: i
           f"steps={skip + steps}", "profile_cleanly=true", f"metrics_file={os.path.join(out, 'metrics.jsonl')}"]
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_gpu_enable_command_buffer" not in flags:  # kernels replayed from CUDA graphs may lose their HLO op
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_enable_command_buffer=".strip()
+    flags = f"{flags} --xla_gpu_enable_command_buffer="
+  if hlo_dir:
+    flags = f"{flags} {dump_flags(hlo_dir)}"
+  os.environ["XLA_FLAGS"] = flags.strip()
   import jax  # pylint: disable=import-outside-toplevel
 
   jax.config.update("jax_enable_compilation_cache", False)  # its key ignores op metadata: scopes would be lost
@@ -292,7 +341,7 @@ def profile_run(config: str, overrides: list[str], out: str, skip: int, steps: i
   rc = cli.train(args)
   if rc:
     raise SystemExit(rc)
-  result = breakdown(latest_trace(out), steps)
+  result = breakdown(latest_trace(out), steps, modules=dumped_modules(hlo_dir) if hlo_dir else None)
   result["maxtext_step_ms"] = _maxtext_step_ms(os.path.join(out, "metrics.jsonl"), skip, steps)
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 

@@ -1,0 +1,165 @@
+"""bench/one_rank.py (one rank of a many-GPU job on one GPU, network mocked) on CPU: the schedule reader on a
+scheduled module of the GPU's form, the bench's refusals before anything compiles, its depth extrapolation and
+merge, and one depth of the bench on host devices (tiny)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, SMOKE
+from temoe.tools import hlo_schedule
+
+sys.path.insert(0, str(ROOT / "bench"))
+import one_rank  # noqa: E402  # pylint: disable=wrong-import-position
+
+SCHEDULED = """HloModule jit_train_step, is_scheduled=true, entry_computation_layout={(bf16[8,8]{1,0})->bf16[32,8]{1,0}}
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %add.0 = bf16[] add(%x, %y)
+}
+
+%fused_computation (param_0: bf16[8,8]) -> bf16[8,8] {
+  %param_0 = bf16[8,8]{1,0} parameter(0)
+  ROOT %multiply.1 = bf16[8,8]{1,0} multiply(%param_0, %param_0)
+}
+
+%async_computation (param_0.1: bf16[32,8]) -> bf16[32,8] {
+  %param_0.1 = bf16[32,8]{1,0} parameter(0)
+  ROOT %all-to-all.1 = bf16[32,8]{1,0} all-to-all(%param_0.1), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}
+}
+
+%body (p: (s32[], bf16[8,8])) -> (s32[], bf16[8,8]) {
+  %p = (s32[], bf16[8,8]{1,0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%p), index=0
+  %gte.1 = bf16[8,8]{1,0} get-tuple-element(%p), index=1
+  %loop_fusion = bf16[8,8]{1,0} fusion(%gte.1), kind=kLoop, calls=%fused_computation
+  ROOT %tuple.1 = (s32[], bf16[8,8]{1,0}) tuple(%gte.0, %loop_fusion)
+}
+
+%cond (p.1: (s32[], bf16[8,8])) -> pred[] {
+  %p.1 = (s32[], bf16[8,8]{1,0}) parameter(0)
+  %gte.2 = s32[] get-tuple-element(%p.1), index=0
+  %constant.3 = s32[] constant(4)
+  ROOT %compare.1 = pred[] compare(%gte.2, %constant.3), direction=LT
+}
+
+ENTRY %main (Arg_0: bf16[8,8], Arg_1: bf16[32,8]) -> bf16[32,8] {
+  %Arg_0 = bf16[8,8]{1,0} parameter(0)
+  %Arg_1 = bf16[32,8]{1,0} parameter(1)
+  %all-gather-start = (bf16[8,8]{1,0}, bf16[32,8]{1,0}) all-gather-start(%Arg_0), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":false}}
+  %gemm_fusion = bf16[8,8]{1,0} fusion(%Arg_0), kind=kCustom, calls=%fused_computation
+  %all-gather-done = bf16[32,8]{1,0} all-gather-done(%all-gather-start)
+  %all-to-all-start = ((bf16[32,8]{1,0}), bf16[32,8]{1,0}) async-start(%all-gather-done), calls=%async_computation
+  %constant.1 = s32[] constant(0)
+  %tuple.2 = (s32[], bf16[8,8]{1,0}) tuple(%constant.1, %gemm_fusion)
+  %while.1 = (s32[], bf16[8,8]{1,0}) while(%tuple.2), condition=%cond, body=%body
+  %all-to-all-done = bf16[32,8]{1,0} async-done(%all-to-all-start)
+  %all-reduce-start = bf16[32,8]{1,0} all-reduce-start(%all-to-all-done), channel_id=3, replica_groups=[1,4]<=[4], to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  %all-reduce-done = bf16[32,8]{1,0} all-reduce-done(%all-reduce-start)
+  %reduce-scatter.1 = bf16[8,8]{1,0} reduce-scatter(%all-reduce-done), channel_id=4, replica_groups=[1,4]<=[4], dimensions={0}, to_apply=%add
+  ROOT %add.9 = bf16[32,8]{1,0} add(%all-reduce-done, %Arg_1)
+}
+"""
+
+
+def test_the_schedule_reader_finds_what_runs_between_each_start_and_done():
+  times = {"gemm_fusion": 2.0, "loop_fusion": 0.5, "compare.1": 0.01, "add.9": 7.0}
+  found = {c.kind: c for c in hlo_schedule.collectives(SCHEDULED, times)}
+  assert sorted(found) == ["all-gather", "all-reduce", "all-to-all", "reduce-scatter"]
+  gather, a2a, reduce, scatter = found["all-gather"], found["all-to-all"], found["all-reduce"], found["reduce-scatter"]
+  assert gather.is_async and gather.between == ["gemm_fusion"] and gather.done == "all-gather-done"
+  assert gather.overlapped_ms == pytest.approx(2.0)
+  # the wrapped all-to-all: constants and tuples launch nothing; the while brings its body's and condition's kernels
+  assert a2a.is_async and a2a.name == "all-to-all-start" and sorted(a2a.between) == ["compare.1", "loop_fusion"]
+  assert a2a.overlapped_ms == pytest.approx(0.51)
+  assert not reduce.is_async and reduce.between == [] and reduce.overlapped_ms == 0.0  # XLA marked the pair sync
+  assert not scatter.is_async and scatter.done is None
+  rows = {r["kind"]: r for r in hlo_schedule.summary(list(found.values()))}
+  assert rows["all-to-all"] == {"kind": "all-to-all", "async": True, "count": 1, "with_compute_between": 1,
+                                "ops_between": 2, "overlapped_ms": pytest.approx(0.51)}
+  assert hlo_schedule.summary(hlo_schedule.collectives(SCHEDULED))[0]["overlapped_ms"] is None  # no op times
+
+
+def test_the_schedule_reader_reads_no_collective_inside_fusions_or_wrappers():
+  computations, entry = hlo_schedule.parse(SCHEDULED)
+  assert entry == "main" and [i.name for i in computations["main"]][:3] == ["Arg_0", "Arg_1", "all-gather-start"]
+  assert len(hlo_schedule.collectives(SCHEDULED)) == 4  # the all-to-all inside %async_computation counted once
+
+
+BAD = {
+    "missing config": (["configs/nope.yml", "--devices", "8"], "is not a config YAML file"),
+    "slices not dividing": ([SMOKE, "--devices", "10", "--slices", "4"], "not a multiple of --slices=4"),
+    "zero devices": ([SMOKE, "--devices", "0"], "must be 1.."),
+    "too many host devices": ([SMOKE, "--devices", "1024", "--slices", "128", "--cpu"], "at most 16"),
+    "one depth": ([SMOKE, "--devices", "8", "--layers", "4"], "two depths a,b"),
+    "depths in the wrong order": ([SMOKE, "--devices", "8", "--layers", "5,4"], "two depths a,b"),
+    "not key=value": ([SMOKE, "--devices", "8", "steps"], "pass MaxText settings as key=value"),
+    "no warm-up": ([SMOKE, "--devices", "8", "--skip", "0"], "must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_the_bench_refuses_bad_input_with_one_line_before_compiling(capsys, case):
+  args, expected = BAD[case]
+  assert one_rank.main(args) == 2
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("one_rank: ") and expected in lines[0], lines
+
+
+def test_a_depth_without_a_moe_layer_is_refused():
+  with pytest.raises(one_rank.Refused, match="needs a MoE layer after the 1 dense"):
+    one_rank.depths_of(SMOKE, [], "1,2")
+  assert one_rank.depths_of(SMOKE, [], "") == (2, 3, 3, 1)
+
+
+def test_the_mock_topology_is_one_device_a_process():
+  assert one_rank.topology(1024, 128) == "128x8x1" and one_rank.topology(256, 64) == "64x4x1"
+
+
+def depth_row(depth: int, step: float, experts: float, overlapped: float | None, count: int) -> dict:
+  stages = dict.fromkeys(one_rank.STAGES, 1.0)
+  stages["experts"] = experts
+  return {"depth": depth, "step_ms": step, "stages_ms": stages, "layout": "expert=64 (8x8) fsdp=16 (1x16)",
+          "peak_hbm_gib": 10.0 + depth, "collectives": [
+              {"kind": "all-to-all", "async": True, "count": count, "overlapped_ms": overlapped},
+              {"kind": "all-gather", "async": False, "count": 3, "overlapped_ms": 0.0}]}
+
+
+def test_full_depth_is_the_shallower_run_plus_the_marginal_moe_layers():
+  full = one_rank.extrapolate(depth_row(4, 100.0, 10.0, 2.0, 4), depth_row(6, 130.0, 20.0, 5.0, 8), 61)
+  assert full["marginal_moe_layer_ms"] == pytest.approx(15.0)
+  assert full["step_ms"] == pytest.approx(100.0 + 57 * 15.0)
+  assert full["stages_ms"]["experts"] == pytest.approx(10.0 + 57 * 5.0) and full["stages_ms"]["idle"] == 1.0
+  a2a = next(c for c in full["collectives"] if c["kind"] == "all-to-all")
+  assert a2a["count"] == 4 + 57 * 2 and a2a["overlapped_ms"] == pytest.approx(2.0 + 57 * 1.5)
+  assert a2a["per_moe_layer"] == {"count": 2, "overlapped_ms": pytest.approx(1.5)}
+
+
+def test_a_rerun_replaces_its_own_entry_only(tmp_path):
+  path = tmp_path / "one_rank.json"
+  first = {"config": "c.yml", "devices": 8, "slices": 1, "overrides": [], "platform": "gpu", "step_ms": 1.0}
+  other = {**first, "devices": 16}
+  path.write_text(json.dumps({"runs": [first, other]}))
+  merged = one_rank.merge(path, {**first, "step_ms": 2.0})
+  assert [(r["devices"], r["step_ms"]) for r in merged["runs"]] == [(16, 1.0), (8, 2.0)]
+
+
+def test_one_depth_on_host_devices(tmp_path):
+  """The worker of one depth on 2 host devices (EP 2, tiny): MaxText's step traced, the optimized HLO dumped and
+  read back, the stages adding up to the step and the exchange's all-to-alls found in the schedule."""
+  args, overrides = one_rank.parse([SMOKE, "--devices", "2", "--cpu", "--steps", "1", "--skip", "1",
+                                    "ici_expert_parallelism=2", "per_device_batch_size=2", "max_target_length=16"])
+  row = one_rank.run_depth(args, overrides, 2, str(tmp_path))
+  assert "error" not in row, row
+  assert row["layout"] == "expert=2 (2x1)" and row["devices_seen"] == 2 and not row["mocked"]
+  assert sum(row["stages_ms"].values()) == pytest.approx(row["step_ms"], rel=1e-9)
+  assert row["stages_ms"]["experts"] > 0 and row["unmatched_ms"] == 0.0  # every op found in the dumped HLO
+  kinds = {c["kind"]: c for c in row["collectives"]}
+  assert kinds["all-to-all"]["count"] >= 2 and not kinds["all-to-all"]["async"]  # XLA:CPU runs them in line
+  assert all(c["overlapped_ms"] == 0.0 for c in row["collectives"])
+  assert list((tmp_path / "depth2" / "hlo").glob("*train_step*after_optimizations.txt"))
