@@ -127,8 +127,12 @@ def main() -> int:
     return 0
   results = []
   for topology in args.topologies.split(","):
-    run = subprocess.run([sys.executable, __file__, "--child", topology, "--mib", str(args.mib), "--iters",
-                          str(args.iters)], capture_output=True, text=True, timeout=300, check=False)
+    try:
+      run = subprocess.run([sys.executable, __file__, "--child", topology, "--mib", str(args.mib), "--iters",
+                            str(args.iters)], capture_output=True, text=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired as exc:
+      results.append({"topology": topology, "error": "timed out after 120 s", "stdout": str(exc.stdout)[-1000:]})
+      continue
     found = [l for l in run.stdout.splitlines() if l.startswith("MOCK_RESULT ")]
     if found:
       results.append(json.loads(found[-1].split(" ", 1)[1]))

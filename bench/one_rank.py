@@ -31,6 +31,8 @@ import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
+if str(ROOT / "plugin") not in sys.path:
+  sys.path.insert(0, str(ROOT / "plugin"))
 MAX_DEVICES = 1 << 16
 MAX_CPU_DEVICES = 16
 """Host devices a --cpu run may fake: XLA:CPU runs every one of them, on this host's cores."""
@@ -102,7 +104,6 @@ def have_gpu() -> bool:
 
 def depths_of(config_path: str, overrides: list[str], layers: str) -> tuple[int, int, int, int]:
   """(a, b, the config's full depth, its dense layers), checked: a and b hold at least one MoE layer each."""
-  sys.path.insert(0, str(ROOT / "plugin"))
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   config = introspect.initialize_config(["one_rank", config_path, *overrides, *COMMON, "hardware=cpu",
@@ -125,7 +126,6 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   mocked = not args.cpu
   if mocked:
     jax.config.update("jax_mock_gpu_topology", topology(args.devices, args.slices))
-  sys.path.insert(0, str(ROOT / "plugin"))
   from temoe.tools import hlo_schedule, planner, profiling  # pylint: disable=import-outside-toplevel
 
   hlo_dir = os.path.join(rundir, "hlo")
@@ -153,6 +153,18 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   print("ONE_RANK " + json.dumps(row), flush=True)
 
 
+def profile_env(environ: dict[str, str]) -> dict[str, str]:
+  """temoe's env profile for this GPU (what the container sets: the latency-hiding scheduler, pipelined
+  collectives, ...), a variable or flag in `environ` winning, with CUDA graphs off: kernels replayed from a
+  graph lose their HLO op in the trace."""
+  from temoe.deploy import env  # pylint: disable=import-outside-toplevel
+
+  arch, _ = env.detect_arch()
+  out = env.environment(arch, environ)
+  out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} --xla_gpu_enable_command_buffer=".strip()
+  return out
+
+
 def run_depth(args, overrides: list[str], depth: int, workdir: str) -> dict:
   """One depth in a fresh process: its row, or {"error": ...}."""
   rundir = os.path.join(workdir, f"depth{depth}")
@@ -162,6 +174,8 @@ def run_depth(args, overrides: list[str], depth: int, workdir: str) -> dict:
   if args.cpu:
     env["JAX_PLATFORMS"] = "cpu"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}".strip()
+  else:
+    env.update(profile_env(env))
   cmd = [sys.executable, __file__, args.config, "--devices", str(args.devices), "--slices", str(args.slices),
          "--steps", str(args.steps), "--skip", str(args.skip), "--worker", f"{depth}:{rundir}", *overrides]
   if args.cpu:
@@ -209,10 +223,12 @@ def run(args, overrides: list[str]) -> dict:
   workdir = tempfile.mkdtemp(prefix="one_rank-")
   measured = [run_depth(args, overrides, d, workdir) for d in (a, b)]
   config = os.path.relpath(os.path.abspath(args.config), ROOT)
+  flags = os.environ.get("XLA_FLAGS", "") if args.cpu else profile_env(dict(os.environ)).get("XLA_FLAGS", "")
   entry = {"config": config, "devices": args.devices, "slices": args.slices, "overrides": overrides,
            "mock_topology": None if args.cpu else topology(args.devices, args.slices),
            "platform": "cpu (host devices)" if args.cpu else "gpu (mocked NCCL)",
-           "command": " ".join(["python", "bench/one_rank.py", *sys.argv[1:]]), "measured": measured,
+           "command": " ".join(["python", "bench/one_rank.py", *sys.argv[1:]]), "xla_flags": flags,
+           "measured": measured,
            "depth": {"measured_layers": [a, b], "full_layers": full, "dense_layers": dense,
                      "note": f"measured at {a} and {b} decoder layers; full depth {full} extrapolated by the marginal "
                              "MoE decoder layer (t_b - t_a) / (b - a)"}}

@@ -6,7 +6,7 @@
 # `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer), kept (what FP8 weight copies
 # kept from step to step would cost against today's weight passes: bench/weight_quant.py's `persistent`, for
 # the proxy's wi and wo).
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [proxy [--paths a,b]]
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [one_rank] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
@@ -33,6 +33,10 @@ for i in "${!stages[@]}"; do
         python3 bench/weight_quant.py --out "$out/weight_quant.kept.${w%%:*}" --shape "${w#*:}" --layers 4 --iters 5 \
           --shipped-only || rc=1
       done ;;
+    one_rank)
+      python3 bench/mock_collectives.py --out "$out" --topologies 1x8x1,16x8x1,1x1x8 2>&1 | tee "$out/mock_collectives.log" || rc=1
+      python3 bench/one_rank.py configs/deepseek3-671b-h100x1024.yml --devices 1024 --slices 128 --layers 4,5 \
+        --timeout 240 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee "$out/one_rank.log" || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done
