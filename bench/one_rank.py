@@ -127,6 +127,7 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   if mocked:
     jax.config.update("jax_mock_gpu_topology", topology(args.devices, args.slices))
   from temoe.tools import hlo_schedule, planner, profiling  # pylint: disable=import-outside-toplevel
+  from temoe.tools import one_rank as one_rank_reader  # pylint: disable=import-outside-toplevel
 
   hlo_dir = os.path.join(rundir, "hlo")
   settings = [*overrides, *COMMON, f"base_num_decoder_layers={depth}", f"num_slices={args.slices}",
@@ -140,15 +141,17 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
 
   config = introspect.initialize_config(["one_rank", args.config, *settings])
   ici, dcn = planner.mesh_split(config, jax.device_count())
-  layout = " ".join(f"{axis}={i * d} ({i}x{d})" for axis, i, d in zip(config.mesh_axes, ici, dcn) if i * d > 1)
+  layout = one_rank_reader.layout_of(config.mesh_axes, ici, dcn)
   stats = jax.local_devices()[0].memory_stats() or {}
   row = {"depth": depth, "step_ms": result["step_ms"], "stages_ms": result["ms_per_step"],
          "maxtext_step_ms": result.get("maxtext_step_ms"), "unmatched_ms": result["unmatched_ms"],
          "collectives_total_ms": result["collectives_total_ms"],
          "peak_hbm_gib": stats["peak_bytes_in_use"] / 2**30 if stats.get("peak_bytes_in_use") else None,
-         "collectives": hlo_schedule.summary(found), "layout": layout or "one device",
+         "collectives": hlo_schedule.summary(found), "layout": layout,
          "devices_seen": jax.device_count(), "local_devices": jax.local_device_count(),
-         "mocked": mocked, "device_kind": jax.devices()[0].device_kind,
+         "mocked": mocked, "device_kind": jax.devices()[0].device_kind, "model_name": str(config.model_name),
+         "per_device_batch_size": float(config.per_device_batch_size),
+         "max_target_length": int(config.max_target_length),
          "top_ops": result["top_ops"][:10], "flops": result.get("flops")}
   print("ONE_RANK " + json.dumps(row), flush=True)
 

@@ -163,3 +163,67 @@ def test_one_depth_on_host_devices(tmp_path):
   assert kinds["all-to-all"]["count"] >= 2 and not kinds["all-to-all"]["async"]  # XLA:CPU runs them in line
   assert all(c["overlapped_ms"] == 0.0 for c in row["collectives"])
   assert list((tmp_path / "depth2" / "hlo").glob("*train_step*after_optimizations.txt"))
+
+
+def measured_file(tmp_path, **changes):
+  """A one_rank.json with one GPU run of an EP 8 layout, one that failed and one on host devices."""
+  last = {"depth": 5, "device_kind": "NVIDIA H200", "model_name": "deepseek3-671b", "per_device_batch_size": 1.0,
+          "max_target_length": 4096}
+  stages = {s: 10.0 for s in one_rank.STAGES}
+  run = {"config": "configs/x.yml", "devices": 8, "slices": 1, "platform": "gpu (mocked NCCL)", "command": "python b",
+         "layout": "expert=8 (8x1)", "step_ms": 100.0, "stages_ms": stages, "measured": [last],
+         "depth": {"note": "measured at 4 and 5"},
+         "collectives": [{"kind": "all-gather", "async": True, "count": 4, "overlapped_ms": 200.0},
+                         {"kind": "all-to-all", "async": False, "count": 8, "overlapped_ms": 0.0}], **changes}
+  path = tmp_path / "one_rank.json"
+  path.write_text(json.dumps({"runs": [run, {**run, "error": "depth 4: boom"}, {**run, "platform": "cpu (host devices)"}]}))
+  return path
+
+
+def test_the_step_model_reads_the_gpu_runs_of_a_one_rank_file(tmp_path):
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+  from temoe.tools import one_rank as reader  # pylint: disable=import-outside-toplevel
+
+  found = reader.load(measured_file(tmp_path))
+  assert len(found) == 1 and found[0].gpu == "h200" and found[0].compute_ms() == pytest.approx(80.0)
+  assert reader.load(tmp_path / "absent.json") == []
+  axes = ("data", "fsdp", "expert")
+  config = SimpleNamespace(mesh_axes=axes, model_name="deepseek3-671b", per_device_batch_size=1, max_target_length=4096)
+  job = SimpleNamespace(config=config, ici=(1, 1, 8), dcn=(1, 1, 1), devices=8)
+  assert reader.layout_of(axes, (1, 2, 4), (1, 1, 2)) == "fsdp=2 (2x1) expert=8 (4x2)"
+  assert reader.find(job, found) is found[0]
+  assert reader.find(SimpleNamespace(**{**vars(job), "ici": (1, 8, 1)}), found) is None  # another layout
+  config.per_device_batch_size = 2
+  assert reader.find(job, found) is None  # another batch
+
+
+def test_overlap_is_priced_from_the_compiled_schedule(tmp_path):
+  from temoe import hardware  # pylint: disable=import-outside-toplevel
+  from temoe.tools import calibration, step_model  # pylint: disable=import-outside-toplevel
+  from temoe.tools import one_rank as reader  # pylint: disable=import-outside-toplevel
+
+  m = reader.load(measured_file(tmp_path))[0]
+  Coll = step_model.Collective
+  collectives = (Coll("expert all-to-all (dedup)", 1e9, 8, "NVLink", 0.5, 0.5, "never hidden"),
+                 Coll("FSDP all-gather (non-expert weights)", 1e9, 8, "NVLink", 0.3, 0.0, "hidden by flags"),
+                 Coll("FSDP all-gather (expert weights)", 1e9, 8, "NVLink", 0.1, 0.0, "hidden by flags"),
+                 Coll("FSDP reduce-scatter (expert grads)", 1e9, 8, "NVLink", 0.2, 0.05, "assumed"),
+                 Coll("host offload (D2H + H2D)", 1e9, 1, "host", 0.4, 0.0, "overlapped"))
+  for gpu in ("h200", "h100"):
+    calib = calibration.calibration_for(gpu)
+    before = step_model.Prediction(hardware.GPUS[gpu], calib, (step_model.Stage("experts", 1.0),), collectives, 0.0,
+                                   4096, 1e15, 1000.0, (calib.describe(),))
+    after = reader.apply(before, m)
+    exposed = {c.name: c.exposed for c in after.collectives}
+    assert exposed["expert all-to-all (dedup)"] == 0.5  # the schedule runs it in line: nothing hides it
+    assert exposed["FSDP all-gather (non-expert weights)"] == pytest.approx(0.3 - 0.2 * 0.3 / 0.4)  # 200 ms shared
+    assert exposed["FSDP all-gather (expert weights)"] == pytest.approx(0.1 - 0.2 * 0.1 / 0.4)
+    assert exposed["FSDP reduce-scatter (expert grads)"] == 0.05  # not in the schedule: the model's assumption
+    assert exposed["host offload (D2H + H2D)"] == 0.0  # no collective: the model's
+    stages = {s.name: s.seconds for s in after.stages}
+    memory = 1.0 if gpu == "h200" else 4.8 / 3.35  # H100 from the H200's run: same peaks, less HBM bandwidth
+    assert stages["experts"] == pytest.approx(0.010) and stages["optimizer"] == pytest.approx(0.010 * memory)
+    assert stages["idle"] == pytest.approx(0.010) and "collectives" not in stages
+    assert after.step_seconds == pytest.approx(sum(stages.values()) + sum(exposed.values()))
+    assert "one-rank run of this layout" in after.notes[-1]
