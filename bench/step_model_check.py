@@ -7,9 +7,12 @@ its expert shape, and the stages of the profiled step no profile constant prices
 calibration constant its prediction uses was fitted to that row's config (the constant's `rows`), so it
 is not a check of that constant. published rows: DeepSeek-V3 671B runs as their publishers describe them
 (GPUs, layout, recipe), expressed as MaxText settings on the shipped 671B presets, against the published
-TFLOP/s/GPU (and tokens/s/GPU where given). Nothing here is tuned per row.
+TFLOP/s/GPU (and tokens/s/GPU where given). one_rank rows: the predicted compute of each run of
+bench/results/one_rank.json (one rank of the job at its real shapes, network mocked) against the measured one.
+Nothing here is tuned per row.
 
-    python bench/step_model_check.py [--out bench/results/step_model_check.json] [--only one_gpu|published] [--write-docs]
+    python bench/step_model_check.py [--out bench/results/step_model_check.json] [--only one_gpu|one_rank|published]
+        [--write-docs]
 """
 
 from __future__ import annotations
@@ -241,8 +244,34 @@ def published_rows() -> list[dict]:
   return rows
 
 
+def one_rank_rows() -> list[dict]:
+  """The step model's compute against each one-rank run (bench/one_rank.py: one rank of the job on the GPU it ran
+  on, network mocked, full depth extrapolated): no constant is fitted to these runs, so each row is a check."""
+  from temoe.tools import calibration, one_rank, planner, step_model  # pylint: disable=import-outside-toplevel
+
+  if not one_rank.RESULTS.is_file():
+    return []
+  runs = {(r["config"], r["devices"], r["layout"]): r for r in read("one_rank.json")["runs"]}
+  rows = []
+  for m in one_rank.load():
+    run = runs[(m.config, m.devices, m.layout)]
+    settings = [f"num_slices={run['slices']}", *run["overrides"]]
+    p = planner.make_plan(str(ROOT / m.config), settings, m.devices, m.gpu)
+    ici, dcn = planner.mesh_split(p.config, m.devices)
+    job = step_model.job_of(p.config, ici, dcn, run["slices"], p.backend, p.quantization, p.estimate)
+    calib = calibration.calibration_for(m.gpu)
+    pred = step_model.predict(job, calib, step_model.xla_flags_for(calib.gpu, {})[1])
+    rows.append({"name": f"one_rank.json:{m.config} {m.devices} GPUs {m.layout}: compute", "kind": "one_rank",
+                 "fitted": False, "predicted": pred.compute, "reference": m.compute_ms() / 1e3,
+                 "unit": "s/step (compute)", "source": f"bench/results/one_rank.json ({m.gpu}; {m.depth_note}): "
+                 f"{m.command}; stages {', '.join(one_rank.COMPUTE_STAGES)}"})
+  return rows
+
+
 def build(only: str | None = None) -> dict:
   rows, excluded = one_gpu_rows() if only in (None, "one_gpu") else ([], [])
+  if only in (None, "one_rank"):
+    rows += one_rank_rows()
   if only in (None, "published"):
     rows += published_rows()
   for r in rows:
@@ -280,7 +309,7 @@ def write_page(result: dict, page: pathlib.Path = PAGE) -> None:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(RESULTS / "step_model_check.json"))
-  parser.add_argument("--only", choices=("one_gpu", "published"))
+  parser.add_argument("--only", choices=("one_gpu", "one_rank", "published"))
   parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
                       help="and rewrite the table of docs/guides/planning.md from the result")
   args = parser.parse_args()

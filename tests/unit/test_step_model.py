@@ -239,7 +239,9 @@ def test_no_row_counts_as_a_check_of_a_constant_fitted_to_it(regenerated):
   # but a row named as a fitted path is never counted as a check), the two .paths runs of the same config with
   # another environment only (temoe_fp8_env, temoe_fp8_graphs: the model reads neither), the tokamax run
   assert sum(r["fitted"] for r in regenerated["rows"]) == 8
-  assert {r["kind"] for r in regenerated["rows"]} == {"one_gpu", "published"}
+  from temoe.tools import one_rank  # pylint: disable=import-outside-toplevel
+
+  assert {r["kind"] for r in regenerated["rows"]} == {"one_gpu", "published"} | ({"one_rank"} if one_rank.load() else set())
 
 
 def test_the_planning_guides_table_is_the_committed_check():
