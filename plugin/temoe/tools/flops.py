@@ -158,6 +158,28 @@ def summary(c, device_kind: str | None = None, gpu: str | None = None) -> dict:
   }
 
 
+def gpu_argument(argv: list[str]) -> str | None:
+  """Takes `--gpu NAME` (or `--gpu=NAME`) out of `argv`: the catalog name, upper case, or None; InputError
+  naming the valid GPUs (as `temoe plan --gpu` and `temoe report --gpu` refuse it)."""
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  valid = ", ".join(sorted(k.lower() for k in PEAK_TFLOPS))
+  found = [i for i, a in enumerate(argv) if a == "--gpu" or a.startswith("--gpu=")]
+  if not found:
+    return None
+  at = found[-1]
+  if "=" in argv[at]:
+    name = argv.pop(at).split("=", 1)[1]
+  elif at + 1 < len(argv):
+    name = argv.pop(at + 1)
+    argv.pop(at)
+  else:
+    raise inputs.InputError(f"argument --gpu: expected one argument; valid choices: {valid}")
+  if name.upper() not in PEAK_TFLOPS:
+    raise inputs.InputError(f"argument --gpu: invalid choice: {name!r}; valid choices: {valid}")
+  return name.upper()
+
+
 @oneline.guarded("temoe flops")
 def main(argv: list[str] | None = None) -> int:
   """`python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu H200]`: the count and MaxText's figure."""
@@ -166,10 +188,9 @@ def main(argv: list[str] | None = None) -> int:
   from temoe.run import inputs  # pylint: disable=import-outside-toplevel
 
   argv = list(sys.argv[1:] if argv is None else argv)
-  gpu = argv.pop(argv.index("--gpu") + 1).upper() if "--gpu" in argv else None
-  argv = [a for a in argv if a != "--gpu"]
   usage = "python -m temoe.tools.flops <config.yml> [key=value ...] [--gpu NAME]"
   try:
+    gpu = gpu_argument(argv)
     if not argv:
       raise inputs.InputError(f"usage: {usage}")
     inputs.check_config_file(argv[0])

@@ -68,10 +68,36 @@ def read_metrics(path: str) -> list[dict]:
     for line in f:
       for row in _rows_in(line.strip()):
         if "step" in row:
-          by_step[int(row["step"])] = row
+          by_step[step_of(row, path)] = row
         else:
           unnumbered.append(row)
   return [by_step[step] for step in sorted(by_step)] + unnumbered
+
+
+NUMBERS = ("learning/loss", "perf/per_device_tokens_per_sec", "perf/step_time_seconds",
+           "perf/per_device_tflops_per_sec")
+"""The per-step values report and summary compute with: MaxText writes each as a JSON number."""
+
+
+def check_numbers(rows: list[dict], path: str) -> None:
+  """Every NUMBERS value present in `rows` is a number; ValueError (one line) naming the step, key and value."""
+  for row in rows:
+    for key in ("step", *NUMBERS):
+      value = row.get(key, 0.0)
+      if isinstance(value, bool) or not isinstance(value, (int, float)):
+        step = row.get("step", "?")
+        step = int(step) if isinstance(step, float) and step.is_integer() else step
+        raise ValueError(f"{path}: the row of step {step} holds {key}={value!r}, not a number (MaxText writes a "
+                         "JSON number there); fix or remove that line, or pass MaxText's own metrics file")
+
+
+def step_of(row: dict, path: str) -> int:
+  """The row's step as an int; ValueError (one line) when it is not a whole number."""
+  step = row["step"]
+  if isinstance(step, bool) or not isinstance(step, (int, float)) or step != step or step in (float("inf"), -float("inf")):
+    raise ValueError(f"{path}: a row holds step={step!r}, not a step number (MaxText writes one per row); fix or remove "
+                     "that line, or pass MaxText's own metrics file")
+  return int(step)
 
 
 def _rows_in(line: str) -> list[dict]:
@@ -92,6 +118,7 @@ def load_rows(run_dir: str) -> tuple[list[dict], str]:
     if os.path.exists(path):
       rows = read_metrics(path)
       if rows and "learning/loss" in rows[0]:
+        check_numbers(rows, path)
         return rows, path
   rows = tensorboard_rows(run_dir)
   if not rows:
@@ -313,10 +340,19 @@ def main(argv: list[str] | None = None) -> int:
       return 2
     count = flops.summary(config, gpu=args.gpu)
   out = args.out or os.path.join(args.run_dir, "report")
+  if os.path.exists(out) and not os.path.isdir(out):
+    print(f"temoe report: the output path {out} is a file, not a directory; pass --out with a directory (made if "
+          "missing), or move the file away", file=sys.stderr)
+    return 2
   try:
     summary = report(args.run_dir, out, count, args.gpu)
   except (FileNotFoundError, ValueError) as exc:
     print(str(exc) if str(exc).startswith("temoe report") else f"temoe report: {exc}", file=sys.stderr)
+    return 2
+  except OSError as exc:  # the output directory: read-only, full, not a directory on the way
+    print(f"temoe report: the report cannot be written to {out} ({exc.strerror or exc}"
+          f"{': ' + str(exc.filename) if exc.filename else ''}); pass --out with a directory this process can write",
+          file=sys.stderr)
     return 2
   print(f"temoe report: {summary['steps']} steps from {summary['source']}; loss {summary['first_loss']:.3f} -> "
         f"{summary['final_loss']:.3f}; median {summary['median_tokens_per_s_per_device']:,.0f} tokens/s/device")
