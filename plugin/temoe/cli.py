@@ -121,6 +121,9 @@ def run_training(maxtext_args: list[str]) -> int:
   except inputs.InputError as exc:
     print(f"temoe: {exc}", file=sys.stderr)
     return exits.NEEDS_PERSON
+  maxtext_args, named = inputs.with_stable_run_name(maxtext_args, dict(os.environ))
+  if named:
+    print(named, flush=True)
   distributed.maybe_initialize()  # a multi-task srun step: join jax.distributed before MaxText starts
   try:
     temoe.register()
@@ -130,6 +133,11 @@ def run_training(maxtext_args: list[str]) -> int:
     failures.install_train_loop()
     config = preflight.check(maxtext_args, lock_run=True)  # values, data, disk, lock, latest checkpoint: before compiling
     batches.install(config)  # every batch's token ids, on the host
+    from temoe.run import tokens  # pylint: disable=import-outside-toplevel
+
+    note = tokens.long_rows_note(config)  # rows longer than max_target_length: what MaxText does with them, once
+    if note:
+      print(note, flush=True)
   except preflight.RunFinished as exc:
     return stop_before_training(str(exc), exits.DONE, distributed.FINISHED)
   except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
@@ -151,7 +159,8 @@ def run_training(maxtext_args: list[str]) -> int:
     if code:
       oneline.quiet_after_last_line()
       print(f"temoe: training exited with code {code}{': ' + exc.code if isinstance(exc.code, str) else ''}",
-            file=sys.stderr)
+            file=sys.stderr, flush=True)
+      oneline.exit_promptly(code)
     return code
   except Exception as exc:  # noqa: BLE001  # pylint: disable=broad-exception-caught
     line, code, unknown = training_failure(exc)
@@ -161,6 +170,7 @@ def run_training(maxtext_args: list[str]) -> int:
       line += f" ({oneline.DEBUG_HINT})"
     oneline.quiet_after_last_line()
     print(f"temoe: {line}", file=sys.stderr, flush=True)
+    oneline.exit_promptly(code)  # Orbax's threads of a failed save must not hold the exit
     if lost_peer(exc):  # jax.distributed's shutdown at exit would wait for the lost peer, then abort
       preflight.release()
       sys.stdout.flush()
@@ -180,6 +190,7 @@ def stop_before_training(line: str, code: int, kind: str | None = None) -> int:
   print(f"temoe: {line}", file=sys.stderr, flush=True)
   if kind is not None:
     distributed.agree_before_training(kind, line)
+  oneline.exit_promptly(code)  # after the peers were told
   return code
 
 
@@ -191,6 +202,8 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
   """`temoe [--debug] <command> ...`; --debug (anywhere) sets TEMOE_DEBUG=1: tracebacks are printed."""
+  if argv is None:  # the `temoe` program (console script or python -m temoe.cli)
+    oneline.as_program()
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--debug" in argv:
     argv.remove("--debug")

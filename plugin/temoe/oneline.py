@@ -78,6 +78,41 @@ def quiet_after_last_line() -> None:
   logging.disable(logging.CRITICAL)
 
 
+EXIT_GRACE_S = 5.0
+"""How long a failed `temoe train` process may run on after its last line before it exits anyway."""
+
+_program: dict = {}
+
+
+def as_program() -> None:
+  """This process is the `temoe` program (its main() called from the command line), not a caller of it."""
+  _program["on"] = True
+
+
+def exit_promptly(code: int, grace_s: float = EXIT_GRACE_S) -> None:
+  """After a failure's last line: the process exits with `code` at the latest `grace_s` seconds later, whatever
+  is still running. A failed checkpoint write leaves Orbax's save threads waiting in a blocking key-value get
+  that held the process about 290 s after its line (a checkpoint directory that turned read-only); the line
+  was printed and the run lock released, so nothing is lost by not waiting. Only in the `temoe` program
+  itself: a process that called temoe in-process goes on as it would."""
+  if not _program.get("on") or _program.get("watchdog"):
+    return
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  def watch():
+    time.sleep(grace_s)
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # noqa: BLE001,S110  # pylint: disable=broad-exception-caught
+        pass
+    os._exit(code)  # pylint: disable=protected-access
+
+  _program["watchdog"] = threading.Thread(target=watch, name="temoe-exit-watchdog", daemon=True)
+  _program["watchdog"].start()
+
+
 def print_traceback(exc: BaseException) -> None:
   """The traceback of `exc`, when tracebacks are wanted."""
   if debug():

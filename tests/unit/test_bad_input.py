@@ -110,3 +110,27 @@ def test_maxtexts_own_policy_places_the_fp8_weights_as_asked(where, placed, monk
   assert hbm_activations.placement(policy, parts.FP8_WEIGHTS, cfg) == placed
   assert hbm_activations.placement(policy, parts.QUANTIZED, cfg) == "remat"  # the activations' copies are not kept
   assert hbm_activations.placement(policy, parts.FP8_SCALES, cfg) == "device"  # the weights' scales always are
+
+
+def test_an_empty_run_name_under_a_scheduler_becomes_the_jobs_stable_name(tmp_path, monkeypatch, capsys, smoke_data):
+  """MaxText names an unnamed run after the minute it started: each requeue of a job would start afresh. Under
+  Slurm the job id names it (the same on every requeue and in every task), and temoe train says so."""
+  import json  # pylint: disable=import-outside-toplevel
+
+  from temoe.run import inputs, lock  # pylint: disable=import-outside-toplevel
+
+  unnamed = [SMOKE, "run_name=", "steps=3"]
+  assert inputs.with_stable_run_name(unnamed, {}) == (unnamed, None)  # no scheduler: MaxText's default stands
+  assert inputs.with_stable_run_name([SMOKE], {"SLURM_JOB_ID": "7"}) == ([SMOKE], None)  # the YAML names it
+  assert inputs.with_stable_run_name(unnamed, {"SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "6",
+                                               "SLURM_ARRAY_TASK_ID": "3"})[0][-1] == "run_name=slurm-6_3"
+  assert inputs.with_stable_run_name(unnamed, {"JOBSET_NAME": "ds3"})[0][-1] == "run_name=ds3"
+
+  held = tmp_path / "slurm-4242"  # the run directory the job's name leads to, held by this live process
+  held.mkdir()
+  (held / lock.LOCK_NAME).write_text(json.dumps(lock.holder_info()))
+  monkeypatch.setenv("SLURM_JOB_ID", "4242")
+  assert cli.main(["train", SMOKE, f"base_output_directory={tmp_path}", f"grain_train_files={smoke_data}", "run_name="]) == 2
+  out, err = capsys.readouterr()
+  assert "temoe: run_name is empty; this job runs as run_name=slurm-4242 (from SLURM_JOB_ID)" in out
+  assert f"run directory {held} is in use by another temoe train" in err

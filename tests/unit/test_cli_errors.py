@@ -60,6 +60,13 @@ ROWS = [
     ("train", ["grain_train_files={tmp}/null-row.parquet"], 2, "row 4 (0-based) is null, not a list of token ids"),
     ("train", ["grain_train_files={tmp}/short-row.parquet"], 2,
      "row 9 (0-based) holds 12 token ids, fewer than max_target_length=64: with packing=false MaxText pads each row"),
+    ("train", ["grain_train_files={tmp}/uint8-ids.parquet"], 2,
+     "column tokens is list<element: uint8>: MaxText's input pipeline pads rows with the tokenizer's pad id (-1)"),
+    ("train", ["log_period=0"], 2, "log_period=0 must be a whole number of at least 1"),
+    ("train", ["enable_checkpointing=true", "checkpoint_period=-5"], 2,
+     "checkpoint_period=-5 must be a whole number of at least 1"),
+    ("train", ["num_epoch=0"], 2, "num_epoch=0 must be a whole number of at least 1"),
+    ("train", ["learning_rate_schedule_steps=0"], 2, "learning_rate_schedule_steps=0 must be -1"),
     ("train", ["run_name=tensorboard-is-a-file"], 2,
      "tensorboard_dir {tmp}/out/tensorboard-is-a-file/tensorboard/ is not a writable directory (Not a directory)"),
     ("train", ["steps=inf"], 2, "steps=inf is not a finite number"),
@@ -76,6 +83,8 @@ ROWS = [
     ("train", ["{tmp}/list.yml"], 2, "holds a YAML list, not a mapping"),
     ("train", ["{tmp}/dir.yml"], 2, "config {tmp}/dir.yml is not a file"),
     ("train", ["{tmp}/typo.yml"], 2, "unknown config key 'te_moe_blok'; did you mean te_moe_block"),
+    ("train", ["{tmp}/duplicate-key.yml"], 2, "duplicate-key.yml sets 'steps' twice (lines 2 and 3)"),
+    ("plan", ["{tmp}/duplicate-key.yml"], 2, "sets 'steps' twice (lines 2 and 3); MaxText refuses a repeated key"),
     ("plan", ["{tmp}/empty.yml"], 2, "config {tmp}/empty.yml is empty"),
     ("plan", [SMOKE, "te_moe_blok=true"], 2, "unknown config key 'te_moe_blok'"),
     ("plan", [I671B], 2, "pass its --devices N and --slices N"),
@@ -86,6 +95,7 @@ ROWS = [
     ("plan", [SMOKE, "--hbm-gib", "lots"], 2, "argument --hbm-gib: invalid float value: 'lots' (see `temoe plan --help`)"),
     ("flops", [SMOKE, "per_device_batch_size=-2"], 2, "per_device_batch_size=-2 must be greater than 0"),
     ("flops", ["{tmp}/negative-batch.yml"], 2, "per_device_batch_size=-2 must be greater than 0 (and finite)"),
+    ("flops", [SMOKE, "--gpu", "nope"], 2, "argument --gpu: invalid choice: 'nope'; valid choices: b200, gb200, gb300"),
     ("profile", [SMOKE, "--steps", "0"], 2, "--steps=0 must be at least 1"),
     ("profile", ["{tmp}/invalid.yml"], 2, "is not valid YAML"),
     ("data", ["--rows", "0", "--out", "{tmp}/new.parquet"], 2, "--rows=0 must be at least 1"),
@@ -107,7 +117,12 @@ ROWS = [
     ("report", ["{tmp}/bad-events"], 2, "events.out.tfevents.1 is not a readable TensorBoard event file"),
     ("report", ["{tmp}/bad-profile"], 2, "profile.json is not a profile.json of `temoe profile`"),
     ("report", [], 2, "the following arguments are required: run_dir (see `temoe report --help`)"),
+    ("report", ["{tmp}/bad-profile", "--out", "{tmp}/a-file"], 2, "the output path {tmp}/a-file is a file, not a directory"),
+    ("report", ["{tmp}/string-loss"], 2, "the row of step 1 holds learning/loss='5.2', not a number"),
     ("summary", ["{tmp}/nothere.jsonl"], 2, "is not a metrics file"),
+    ("summary", ["{tmp}/string-loss/metrics.jsonl"], 2, "the row of step 1 holds learning/loss='5.2', not a number"),
+    ("summary", ["{tmp}/garbage.jsonl"], 2, "garbage.jsonl is not a metrics file: no line is a JSON row with learning/loss"),
+    ("summary", ["{tmp}/empty.jsonl"], 2, "empty.jsonl is empty: no step was logged"),
     ("summary", [], 2, "usage: python -m temoe.tools.summary <metrics.jsonl>"),
 ]
 
@@ -120,7 +135,8 @@ def broken_inputs(tmp_path_factory, smoke_data) -> dict:
       "empty.yml": "", "invalid.yml": "steps: [1\n", "no-base.yml": "steps: 3\n",
       "missing-base.yml": "base_config: nothere.yml\n", "list.yml": "- 1\n- 2\n",
       "typo.yml": f"base_config: {SMOKE}\nte_moe_blok: true\n", "text.parquet": "tokens\n1,2,3\n",
-      "empty.parquet": "",
+      "empty.parquet": "", "duplicate-key.yml": f"base_config: {SMOKE}\nsteps: 3\nsteps: 5\n",
+      "empty.jsonl": "", "garbage.jsonl": "\x00\x9f garbage {not json\n",
   }
   for name, text in files.items():
     (tmp / name).write_text(text)
@@ -142,6 +158,10 @@ def broken_inputs(tmp_path_factory, smoke_data) -> dict:
   (tmp / "bad-profile").mkdir()
   (tmp / "bad-profile" / "metrics.jsonl").write_text('{"step": 0.0, "learning/loss": 5.0}\n')
   (tmp / "bad-profile" / "profile.json").write_text('{"steps": 3}')
+  (tmp / "string-loss").mkdir()
+  perf = '"perf/per_device_tokens_per_sec": 1.0, "perf/step_time_seconds": 0.1, "perf/per_device_tflops_per_sec": 0.1'
+  (tmp / "string-loss" / "metrics.jsonl").write_text(f'{{"step": 0.0, "learning/loss": 5.4, {perf}}}\n'
+                                                      f'{{"step": 1.0, "learning/loss": "5.2", {perf}}}\n')
   (tmp / "bad-trace").mkdir()
   (tmp / "bad-trace" / "host.xplane.pb").write_bytes(b"garbage")
   held = tmp / "out" / "locked"
@@ -179,6 +199,7 @@ def write_bad_token_files(tmp: pathlib.Path) -> None:
   write("null-id.parquet", with_rows(lambda rows: rows[7].__setitem__(3, None)))
   write("null-row.parquet", with_rows(lambda rows: rows.__setitem__(4, None)))
   write("short-row.parquet", with_rows(lambda rows: rows.__setitem__(9, rows[9][:12])))
+  write("uint8-ids.parquet", pa.array(list(good.astype(np.uint8)), type=pa.list_(pa.uint8())))
 
 
 def argv(command: str, args: list[str], where: dict) -> list[str]:

@@ -38,9 +38,12 @@ def check_config_file(path: str, child: str | None = None) -> None:
     raise InputError(f"{named} {path} is not a file; pass the path of a MaxText config YAML.")
   try:
     with open(path, encoding="utf-8") as f:
-      data = yaml.safe_load(f)
+      data = yaml.load(f, Loader=unique_keys_loader())  # noqa: S506 (a SafeLoader subclass)
   except (OSError, UnicodeDecodeError) as exc:
     raise InputError(f"{named} {path} cannot be read: {exc}") from exc
+  except DuplicateKey as exc:
+    raise InputError(f"{named} {path} sets {exc.key!r} twice (lines {exc.first} and {exc.line}); MaxText refuses a "
+                     "repeated key: keep one of them.") from exc
   except yaml.YAMLError as exc:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -67,6 +70,33 @@ def check_config_file(path: str, child: str | None = None) -> None:
   if child is not None and os.path.realpath(parent) == os.path.realpath(child):
     raise InputError(f"base_config of {path} points back to {child}.")
   check_config_file(parent, child=path)
+
+
+class DuplicateKey(Exception):
+  """A mapping key written twice in a YAML file (OmegaConf, which MaxText reads YAML with, refuses it late)."""
+
+  def __init__(self, key, first: int, line: int):
+    super().__init__(f"duplicate key {key!r} at lines {first} and {line}")
+    self.key, self.first, self.line = key, first, line
+
+
+def unique_keys_loader():
+  """yaml's SafeLoader, refusing a mapping that repeats a key (PyYAML keeps the last one without a word)."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  class Loader(yaml.SafeLoader):  # pylint: disable=too-many-ancestors
+    def construct_mapping(self, node, deep=False):
+      seen = {}
+      for key_node, _ in node.value:
+        key = self.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, str) and key in seen:
+          raise DuplicateKey(key, seen[key], line)
+        if isinstance(key, str):
+          seen[key] = line
+      return super().construct_mapping(node, deep)
+
+  return Loader
 
 
 SETTING = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]*=")
@@ -141,3 +171,56 @@ def unknown_key(exc: BaseException) -> str | None:
   """The one line for MaxText's own unknown-key error (a key in a YAML), or None."""
   match = UNKNOWN_KEY.match(str(exc)) if isinstance(exc, ValueError) else None
   return unknown_key_message(match.group(1), config_fields()) if match else None
+
+
+def configured(maxtext_args: list[str], key: str):
+  """The value of `key` a `temoe train <config.yml> key=value ...` sets: its last key=value argument, else the
+  YAML chain's (a config's own value over its base_config's), else None. Call after check_config_file."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  for arg in reversed(maxtext_args[1:]):
+    if arg.startswith(f"{key}="):
+      return arg.split("=", 1)[1]
+  path, seen = maxtext_args[0], set()
+  while path and os.path.isfile(path) and os.path.realpath(path) not in seen:
+    seen.add(os.path.realpath(path))
+    with open(path, encoding="utf-8") as f:
+      data = yaml.safe_load(f) or {}
+    if key in data:
+      return data[key]
+    base = data.get("base_config")
+    if base is None:
+      return None
+    beside = os.path.join(os.path.dirname(path), str(base))
+    path = str(base) if os.path.isabs(str(base)) else beside if os.path.isfile(beside) else os.path.join(
+        maxtext_configs_dir(), str(base))
+  return None
+
+
+def requeue_run_name(env: dict) -> tuple[str, str] | None:
+  """(run_name, why) for a run that a scheduler may requeue and that names no run: the same on every attempt
+  and in every process of the job, so a requeue resumes from the checkpoints (MaxText's own default, the
+  model name and the minute it started, differs from attempt to attempt and between the job's processes), or
+  None when no scheduler requeues it. Kubernetes JobSet: MaxText already takes JOBSET_NAME."""
+  if env.get("JOBSET_NAME"):
+    return env["JOBSET_NAME"], "JOBSET_NAME, as MaxText takes it"
+  job = env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID")
+  if job:
+    return f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}", "the Slurm array job and task"
+  if env.get("SLURM_JOB_ID"):
+    return f"slurm-{env['SLURM_JOB_ID']}", "SLURM_JOB_ID"
+  return None
+
+
+def with_stable_run_name(maxtext_args: list[str], env: dict) -> tuple[list[str], str | None]:
+  """(the arguments, a line to print): an empty run_name under a scheduler that requeues becomes that
+  job's stable name (`requeue_run_name`); otherwise the arguments as they are and no line."""
+  if configured(maxtext_args, "run_name"):
+    return maxtext_args, None
+  stable = requeue_run_name(env)
+  if stable is None:
+    return maxtext_args, None
+  name, why = stable
+  return [*maxtext_args, f"run_name={name}"], (
+      f"temoe: run_name is empty; this job runs as run_name={name} (from {why}), the same on every requeue, so a "
+      "requeued job resumes from its checkpoints; pass run_name=... to choose another.")

@@ -101,6 +101,7 @@ def check_numbers(config) -> None:
     value = getattr(config, key)
     if not 0 < value < float("inf"):
       raise PreflightError(f"{key}={value} must be greater than 0 (and finite).")
+  check_periods(config)
   if config.num_experts > 1:
     if not 1 <= config.num_experts_per_tok <= config.num_experts:
       raise PreflightError(
@@ -121,6 +122,38 @@ def check_numbers(config) -> None:
           f"num_experts_per_tok={config.num_experts_per_tok} exceeds the experts of the topk_routing_group="
           f"{config.topk_routing_group} groups picked ({config.num_experts // groups} each)."
       )
+
+
+PERIODS = {  # key -> (when MaxText 0.2.5 divides by it or counts with it, what it counts)
+    "log_period": (lambda c: True, "MaxText writes metrics every log_period steps"),
+    "checkpoint_period": (lambda c: c.enable_checkpointing,
+                          "MaxText saves every checkpoint_period steps; pass enable_checkpointing=false for none"),
+    "local_checkpoint_period": (
+        lambda c: c.enable_emergency_checkpoint or c.enable_multi_tier_checkpointing,
+        "the emergency / multi-tier checkpoints are saved every local_checkpoint_period steps"),
+    "profiler_steps": (lambda c: bool(c.profiler), "the steps MaxText's profiler traces"),
+    "num_epoch": (lambda c: c.dataset_type == "grain", "the passes over grain_train_files"),
+    "max_num_checkpoints_to_keep": (
+        lambda c: c.enable_checkpointing and c.max_num_checkpoints_to_keep is not None,
+        "the checkpoints Orbax keeps; leave it unset (None) to keep all"),
+}
+"""Counts and periods that must be at least 1 where MaxText uses them: 0 divides by zero after the model is
+built (log_period, checkpoint_period), a negative one saves or checks almost never, or fails in the input
+pipeline. learning_rate_schedule_steps is checked beside them (-1: as long as steps)."""
+
+
+def check_periods(config) -> None:
+  """Each PERIODS key MaxText will use is an integer >= 1; one line naming the key and the valid range."""
+  for key, (used, what) in PERIODS.items():
+    value = getattr(config, key, None)
+    if value is None or not used(config):
+      continue
+    if not (isinstance(value, int) and value >= 1):
+      raise PreflightError(f"{key}={value} must be a whole number of at least 1 ({what}).")
+  schedule = getattr(config, "learning_rate_schedule_steps", -1)
+  if schedule != -1 and not (isinstance(schedule, int) and schedule >= 1):
+    raise PreflightError(f"learning_rate_schedule_steps={schedule} must be -1 (the schedule as long as steps) or a "
+                         "whole number of at least 1.")
 
 
 def check_mesh(config) -> None:
