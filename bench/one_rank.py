@@ -102,15 +102,16 @@ def have_gpu() -> bool:
     return False
 
 
-def depths_of(config_path: str, overrides: list[str], layers: str) -> tuple[int, int, int, int]:
-  """(a, b, the config's full depth, its dense layers), checked: a and b hold at least one MoE layer each."""
-  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+def depths_of(config_path: str, overrides: list[str], layers: str, devices: int = 1,
+              slices: int = 1) -> tuple[int, int, int, int]:
+  """(a, b, the config's full depth, its dense layers), checked: a and b hold at least one MoE layer each. The
+  config is built as `temoe plan` builds it (for the job's device count; temoe's checks see this GPU, else an H200)."""
+  from temoe.tools import planner  # pylint: disable=import-outside-toplevel
 
-  config = introspect.initialize_config(["one_rank", config_path, *overrides, *COMMON, "hardware=cpu",
-                                         "internal_compile=true", "internal_compile_num_devices=1",
-                                         "ici_fsdp_parallelism=1", "ici_expert_parallelism=1",
-                                         "dcn_fsdp_parallelism=1", "dcn_expert_parallelism=1",
-                                         "dcn_data_parallelism=1", "num_slices=1"])
+  seen, _, _ = planner.target("h200", 1.0)
+  with planner.platform_seen_as(seen):
+    config = planner.build_config(config_path, [*overrides, "override_model_config=true", f"num_slices={slices}"],
+                                  devices)
   full, dense = int(config.base_num_decoder_layers), int(config.first_num_dense_layers or 0)
   a, b = (int(d) for d in layers.split(",")) if layers else (dense + 1, dense + 2)
   if a <= dense or b > full:
@@ -222,7 +223,7 @@ def extrapolate(a: dict, b: dict, full: int) -> dict:
 
 
 def run(args, overrides: list[str]) -> dict:
-  a, b, full, dense = depths_of(args.config, overrides, args.layers)
+  a, b, full, dense = depths_of(args.config, overrides, args.layers, args.devices, args.slices)
   workdir = tempfile.mkdtemp(prefix="one_rank-")
   measured = [run_depth(args, overrides, d, workdir) for d in (a, b)]
   config = os.path.relpath(os.path.abspath(args.config), ROOT)
