@@ -120,6 +120,25 @@ def depths_of(config_path: str, overrides: list[str], layers: str, devices: int 
   return a, b, full, dense
 
 
+def own_counts_for_peers() -> None:
+  """Under the mock a collective's output holds whatever its buffer held, and temoe's exchange plans its receive
+  buffers from the routing counts each rank all-gathers: garbage counts would overflow them or empty the experts.
+  This process's integer all-gathers instead return this rank's own operand for every peer: each rank routes as
+  this one, which on a balanced router is the mean load (the result says so)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  real = jax.lax.all_gather
+
+  def gather(x, axis_name, *, axis_index_groups=None, axis=0, tiled=False, **kw):
+    if axis_index_groups is None and jnp.issubdtype(jnp.asarray(x).dtype, jnp.integer):
+      n = jax.lax.axis_size(axis_name)
+      return jnp.concatenate([x] * n, axis=axis) if tiled else jnp.stack([x] * n, axis=axis)
+    return real(x, axis_name, axis_index_groups=axis_index_groups, axis=axis, tiled=tiled, **kw)
+
+  jax.lax.all_gather = gather
+
+
 def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   """Trains one depth in this process (fresh: the allocator's peak and the mock are per process); prints a row."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -127,6 +146,7 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   mocked = not args.cpu
   if mocked:
     jax.config.update("jax_mock_gpu_topology", topology(args.devices, args.slices))
+    own_counts_for_peers()
   from temoe.tools import hlo_schedule, planner, profiling  # pylint: disable=import-outside-toplevel
   from temoe.tools import one_rank as one_rank_reader  # pylint: disable=import-outside-toplevel
 
@@ -230,6 +250,9 @@ def run(args, overrides: list[str]) -> dict:
   flags = os.environ.get("XLA_FLAGS", "") if args.cpu else profile_env(dict(os.environ)).get("XLA_FLAGS", "")
   entry = {"config": config, "devices": args.devices, "slices": args.slices, "overrides": overrides,
            "mock_topology": None if args.cpu else topology(args.devices, args.slices),
+           "routing_counts": "exchanged (host devices)" if args.cpu else
+           "every peer's taken as this rank's own (integer all-gathers return the local operand per peer: "
+           "own_counts_for_peers); mocked collectives move no data",
            "platform": "cpu (host devices)" if args.cpu else "gpu (mocked NCCL)",
            "command": " ".join(["python", "bench/one_rank.py", *sys.argv[1:]]), "xla_flags": flags,
            "measured": measured,

@@ -227,3 +227,33 @@ def test_overlap_is_priced_from_the_compiled_schedule(tmp_path):
     assert stages["idle"] == pytest.approx(0.010) and "collectives" not in stages
     assert after.step_seconds == pytest.approx(sum(stages.values()) + sum(exposed.values()))
     assert "one-rank run of this layout" in after.notes[-1]
+
+
+OWN_COUNTS = """
+import sys
+sys.path.insert(0, "bench")
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import one_rank
+one_rank.own_counts_for_peers()
+mesh = jax.make_mesh((4,), ("x",))
+def body(i, f):
+  return jax.lax.all_gather(i, "x"), jax.lax.all_gather(f, "x", tiled=True)
+fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")), check_vma=False))
+sharding = NamedSharding(mesh, P("x"))
+ints, floats = fn(jax.device_put(jnp.arange(8, dtype=jnp.int32), sharding), jax.device_put(jnp.arange(8.0), sharding))
+print(np.asarray(ints).reshape(4, 4, 2)[1].tolist(), np.asarray(floats).reshape(4, 8)[1].tolist())
+"""
+
+
+def test_under_the_mock_each_peer_routes_as_this_rank():
+  """The integer all-gathers temoe's exchange plans with return the rank's own counts for every peer; float
+  gathers stay collectives."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  done = subprocess.run([sys.executable, "-c", OWN_COUNTS], capture_output=True, text=True, cwd=ROOT, env=env,
+                        timeout=300, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split("\n")[0] == "[[2, 3], [2, 3], [2, 3], [2, 3]] [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]"
