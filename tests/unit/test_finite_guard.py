@@ -28,8 +28,8 @@ def test_finite_values_pass():
 
 def test_nan_in_output_names_the_layer():
   layer, mesh, x = layer_and_input()
-  layer.wo.value = layer.wo.value.at[0, 0, 0].set(jnp.nan)
-  layer.gate.bias.value = jnp.zeros_like(layer.gate.bias.value).at[0].set(1e3)  # every token uses expert 0
+  layer.wo[...] = layer.wo[...].at[0, 0, 0].set(jnp.nan)
+  layer.gate.bias[...] = jnp.zeros_like(layer.gate.bias[...]).at[0].set(1e3)  # every token uses expert 0
   with pytest.raises(Exception, match=r"non-finite values in the output of MoE layer \d+"):
     forward_and_grads(layer, mesh, x, jnp.ones_like(x))
 
