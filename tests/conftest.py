@@ -64,17 +64,44 @@ def once_per_session(tmp_path_factory, name: str, produce):
   return json.loads(done.read_text(encoding="utf-8"))
 
 
-@pytest.fixture(scope="session")
-def smoke_reference(tmp_path_factory, smoke_data) -> dict[int, float]:
-  """{step: loss} of one uninterrupted 32-step smoke run (no checkpoints): the trajectory a stopped and
-  resumed run must continue exactly (tests/e2e/test_resume.py, test_preemption.py). JSON keeps the floats
-  exactly (repr round-trips)."""
+REFERENCE_STEPS, REFERENCE_SAVED = 32, 28
+REFERENCE_FLAGS = (f"steps={REFERENCE_STEPS}", "enable_checkpointing=true", f"checkpoint_period={REFERENCE_SAVED}",
+                   "save_checkpoint_on_completion=false")
+"""The session's uninterrupted smoke runs: 32 steps, checkpoints at steps 0 and 28 only (the interchange test
+resumes step 28 with the other block; saving does not change a loss)."""
+
+
+def reference_run(tmp_path_factory, smoke_data, te_moe_block: str) -> dict:
+  """One uninterrupted smoke run with te_moe_block=`te_moe_block`, once per session: {"base": its
+  base_output_directory (run "ref" in it; copy it before resuming), "rows": its metrics rows, "log": its log}."""
   import runs  # pylint: disable=import-outside-toplevel
 
   def train(base):
-    return runs.train(base, smoke_data, "ref", "ref.jsonl", "steps=32", "enable_checkpointing=false")[0]
+    runs.train(base, smoke_data, "ref", "ref.jsonl", f"te_moe_block={te_moe_block}", *REFERENCE_FLAGS)
+    rows = [json.loads(line) for line in (base / "ref.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    return {"base": str(base), "rows": rows, "log": (base / "ref.jsonl.log").read_text(encoding="utf-8")}
 
-  return {int(step): loss for step, loss in once_per_session(tmp_path_factory, "uninterrupted", train).items()}
+  return once_per_session(tmp_path_factory, f"uninterrupted-{te_moe_block}", train)
+
+
+@pytest.fixture(scope="session")
+def temoe_reference(tmp_path_factory, smoke_data) -> dict:
+  """`reference_run` of temoe's block (the smoke config's own setting)."""
+  return reference_run(tmp_path_factory, smoke_data, "true")
+
+
+@pytest.fixture(scope="session")
+def native_reference(tmp_path_factory, smoke_data) -> dict:
+  """`reference_run` of MaxText's native MoE block (te_moe_block=false)."""
+  return reference_run(tmp_path_factory, smoke_data, "false")
+
+
+@pytest.fixture(scope="session")
+def smoke_reference(temoe_reference) -> dict[int, float]:
+  """{step: loss} of the uninterrupted 32-step run of temoe's block: the trajectory a stopped and resumed run
+  must continue exactly (tests/e2e/test_resume.py, test_preemption.py). JSON keeps the floats exactly (repr
+  round-trips)."""
+  return {int(row["step"]): row["learning/loss"] for row in temoe_reference["rows"]}
 
 
 @pytest.fixture(scope="session")

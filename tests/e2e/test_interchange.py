@@ -2,31 +2,33 @@
 other way round, and the next steps' losses are those of the writer's uninterrupted run.
 
 temoe's block computes on the parameters MaxText's RoutedMoE creates, so both settings save and
-restore the same state tree. Each writer trains 8 steps and checkpoints at step 5 only (no save on
-completion); the other setting then resumes that run directory with steps=8: MaxText restores
-step 5 (state, optimizer, Grain iterator) and computes steps 6 and 7 with the other block.
+restore the same state tree. The writers are the session's uninterrupted 32-step runs (conftest's
+temoe_reference and native_reference), which checkpoint at step 28 only after step 0 (no save on
+completion); the other setting then resumes a copy of that run directory with the same flags: MaxText
+restores step 28 (state, optimizer, Grain iterator) and computes steps 29 to 31 with the other block.
 """
 
 from __future__ import annotations
 
+import pathlib
+import shutil
+
 import pytest
 
 import runs
-
-STEPS = 8
-SAVED = 5
-FLAGS = (f"steps={STEPS}", "enable_checkpointing=true", f"checkpoint_period={SAVED}",
-         "save_checkpoint_on_completion=false")
+from conftest import REFERENCE_FLAGS, REFERENCE_SAVED, REFERENCE_STEPS
 
 
 @pytest.mark.parametrize("writer,reader", [("true", "false"), ("false", "true")])
-def test_checkpoint_restores_with_the_other_block(tmp_path, smoke_data, writer, reader):
-  written, _ = runs.train(tmp_path, smoke_data, "run", "writer.jsonl", f"te_moe_block={writer}", *FLAGS)
-  assert runs.finalized_steps(tmp_path / "run" / "checkpoints") == [0, SAVED]
+def test_checkpoint_restores_with_the_other_block(tmp_path, smoke_data, request, writer, reader):
+  written = request.getfixturevalue({"true": "temoe_reference", "false": "native_reference"}[writer])
+  shutil.copytree(pathlib.Path(written["base"]) / "ref", tmp_path / "ref")  # the session's run stays as it was
+  assert runs.finalized_steps(tmp_path / "ref" / "checkpoints") == [0, REFERENCE_SAVED]
 
-  read, log = runs.train(tmp_path, smoke_data, "run", "reader.jsonl", f"te_moe_block={reader}", *FLAGS)
-  assert f"restoring from this run's directory step {SAVED}" in log
+  read, log = runs.train(tmp_path, smoke_data, "ref", "reader.jsonl", f"te_moe_block={reader}", *REFERENCE_FLAGS)
+  assert f"restoring from this run's directory step {REFERENCE_SAVED}" in log
   assert ("temoe MoE block" in log) == (reader == "true")
-  assert sorted(read) == list(range(SAVED + 1, STEPS))
+  assert sorted(read) == list(range(REFERENCE_SAVED + 1, REFERENCE_STEPS))
+  losses = {int(r["step"]): r["learning/loss"] for r in written["rows"]}
   for step, loss in read.items():
-    assert loss == pytest.approx(written[step], rel=1e-5), step
+    assert loss == pytest.approx(losses[step], rel=1e-5), step
