@@ -32,7 +32,13 @@ def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
   return pyconfig.initialize(["test", config, f"base_output_directory={tmp}", "run_name=test", *overrides])
 
 
-def run_temoe(*args: str, cwd: str | os.PathLike = ROOT, env: dict | None = None, timeout: int = 900):
+HANG_S = 1800
+"""How long a test waits on a subprocess (a training run, a CLI call) before calling it hung. Only a guard
+against a hang, never a judgement of speed: a run under load (the suite's 3 workers on 2 cores, other
+jobs beside) took 5 minutes to reach its compile line, past the 300 s such guards used to allow."""
+
+
+def run_temoe(*args: str, cwd: str | os.PathLike = ROOT, env: dict | None = None, timeout: int = HANG_S):
   """Runs the `temoe` CLI of this venv in a fresh process; returns the CompletedProcess."""
   full_env = {**os.environ, **(env or {})}
   return subprocess.run(

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE
 from temoe.run import preflight
 
 
@@ -57,9 +57,9 @@ def free_port() -> int:
 
 
 def signal_at(proc: subprocess.Popen, log: pathlib.Path, pattern: str, nth: int = 1, sig: int = signal.SIGTERM,
-              timeout: float = 300) -> str | None:
+              timeout: float = HANG_S) -> str | None:
   """Sends `sig` to `proc` as soon as `log` holds the `nth` line matching `pattern`; returns that line
-  (None if the run ended first)."""
+  (None if the run ended first); raises if the run neither got there nor ended within `timeout` (hung)."""
   deadline, found = time.monotonic() + timeout, re.compile(pattern)
   while time.monotonic() < deadline:
     text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
@@ -71,10 +71,10 @@ def signal_at(proc: subprocess.Popen, log: pathlib.Path, pattern: str, nth: int 
     if proc.poll() is not None:
       return None
     time.sleep(0.002)
-  return None
+  raise AssertionError(f"{log}: no line matching {pattern!r} and the run still going after {timeout} s (hung?)")
 
 
-def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, timeout: int = 600):
+def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, timeout: int = HANG_S):
   """Runs to completion; returns ({step: loss}, log)."""
   proc = start(base, data, run, metrics, *overrides)
   proc.wait(timeout)
@@ -83,7 +83,7 @@ def train(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str
   return losses(base / metrics), log
 
 
-def finish(proc: subprocess.Popen, base: pathlib.Path, metrics: str, timeout: int = 600) -> tuple[int, str]:
+def finish(proc: subprocess.Popen, base: pathlib.Path, metrics: str, timeout: int = HANG_S) -> tuple[int, str]:
   """Waits for a started run; returns (exit code, log)."""
   proc.wait(timeout)
   return proc.returncode, (base / f"{metrics}.log").read_text(encoding="utf-8")
@@ -105,7 +105,7 @@ def finalized_steps(checkpoints: pathlib.Path) -> list[int]:
   return preflight.finalized_steps(str(checkpoints))
 
 
-def kill_after_checkpoint(proc: subprocess.Popen, checkpoints: pathlib.Path, after: int, timeout: float = 300) -> None:
+def kill_after_checkpoint(proc: subprocess.Popen, checkpoints: pathlib.Path, after: int, timeout: float = HANG_S) -> None:
   """SIGKILLs `proc` as soon as a checkpoint of a step >= `after` is committed."""
   deadline = time.monotonic() + timeout
   while proc.poll() is None and time.monotonic() < deadline:

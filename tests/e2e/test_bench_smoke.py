@@ -11,12 +11,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 
 def bench(script: str, out, *args: str) -> dict:
   done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out), *args],
-                        capture_output=True, text=True, timeout=900, cwd=ROOT)
+                        capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   return json.loads((out / script.replace(".py", ".json")).read_text())
 
@@ -52,7 +52,7 @@ def test_plan_check_measures_and_plans_each_run(tmp_path):
   """On CPU the run trains but reports no peak (no memory_stats): planned, and said so (exit 2)."""
   out = tmp_path / "rows.json"
   done = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--measure", "--smoke", "--paths",
-                         "temoe_fp8@2", "--steps", "4", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                         "temoe_fp8@2", "--steps", "4", "--out", str(out)], capture_output=True, text=True, timeout=HANG_S,
                         cwd=ROOT)
   assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
   assert "temoe_fp8@2: no peak measured: this device reports no memory_stats" in done.stdout

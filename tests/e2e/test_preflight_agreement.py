@@ -15,7 +15,7 @@ def test_a_preflight_failure_in_one_process_stops_its_peer_with_its_reason(tmp_p
   run_dir.mkdir()
   lock.write(str(run_dir / lock.LOCK_NAME), lock.holder_info())  # this test's process: alive, on this host
   procs = runs.start_group(tmp_path, smoke_data, "run", "held.jsonl", "steps=4")
-  ends = [runs.finish(proc, tmp_path, f"held.jsonl.{rank}", timeout=300) for rank, proc in enumerate(procs)]
+  ends = [runs.finish(proc, tmp_path, f"held.jsonl.{rank}") for rank, proc in enumerate(procs)]
   own = faults.check("run held by another temoe train", *ends[0], jax_shutdown=True)
   peer = faults.check("a peer's preflight failed", *ends[1], jax_shutdown=True)
   assert own.removeprefix("temoe: ") in peer, (own, peer)

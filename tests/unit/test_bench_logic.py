@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, maxtext_config
+from conftest import HANG_S, ROOT, maxtext_config
 
 sys.path.insert(0, str(ROOT / "bench"))
 import proxy_1gpu  # noqa: E402  # pylint: disable=wrong-import-position
@@ -140,7 +140,7 @@ def test_small_model_config_is_the_issues_shape():
 ])
 def test_small_model_bad_input_is_one_line_before_anything_runs(args, message):
   done = subprocess.run([sys.executable, str(ROOT / "bench" / "small_model.py"), *args], capture_output=True, text=True,
-                        timeout=60)
+                        timeout=HANG_S)
   assert done.returncode == 2 and message in done.stderr.splitlines()[-1], done.stderr
 
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT, SMOKE, maxtext_config
+from conftest import HANG_S, ROOT, SMOKE, maxtext_config
 from temoe.tools import model_size
 
 CONFIGS = ROOT / "configs"
@@ -30,7 +30,7 @@ def check(config, *overrides: str, nodes: int = 1, gpus_per_node: int = 1, gpu: 
   cmd = [sys.executable, str(ROOT / "tests" / "config_check.py"), str(config), "--nodes", str(nodes),
          "--gpus-per-node", str(gpus_per_node), *(["--gpu", gpu] if gpu else []),
          *(["--slices", str(slices)] if slices else []), *overrides]
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+  done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   lines = [l for l in done.stdout.splitlines() if l.startswith("CONFIG_CHECK ")]
   assert lines, done.stderr[-3000:]
   return json.loads(lines[-1].split(" ", 1)[1])

@@ -16,7 +16,7 @@ import types
 
 import pytest
 import yaml
-from conftest import ROOT, maxtext_config
+from conftest import HANG_S, ROOT, maxtext_config
 from temoe.deploy import env
 
 PRESETS = sorted((ROOT / "configs" / "offload").glob("*.yml"))
@@ -27,7 +27,7 @@ def start_jax(xla_flags: str, dump: pathlib.Path) -> subprocess.CompletedProcess
   code = "import jax; jax.jit(lambda x: x + 1)(1.0).block_until_ready()"
   flags = f"{xla_flags} --xla_dump_to={dump}"
   return subprocess.run([sys.executable, "-c", code], env={"XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu", "PATH": ""},
-                        capture_output=True, text=True, timeout=120, check=False)
+                        capture_output=True, text=True, timeout=HANG_S, check=False)
 
 
 def parsed_options(dump: pathlib.Path) -> dict[str, list[str]]:

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 
 PACKAGE = ROOT / "plugin" / "temoe"
 
@@ -73,5 +73,5 @@ print("ok")
 def test_deploy_side_imports_without_jax(package):
   names = sorted(m for m in modules() if m == package or m.startswith(package + "."))
   names = [n.removesuffix(".__init__") for n in names if not n.endswith("__main__")]
-  proc = subprocess.run([sys.executable, "-c", BLOCK_JAX, *names], capture_output=True, text=True, timeout=120)
+  proc = subprocess.run([sys.executable, "-c", BLOCK_JAX, *names], capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

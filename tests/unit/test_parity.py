@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from conftest import HANG_S
 from parity_check import ROUTERS
 
 TOL = 1e-5
@@ -53,7 +54,7 @@ def test_block_matches_maxtext_native_moe_on_4_devices(mesh):
   proc = subprocess.run(
       [sys.executable, os.path.join(here, "parity_check.py"), ",".join(ROUTERS), *MESHES[mesh],
        "--native", *MESHES["fsdp4"]],
-      capture_output=True, text=True, env=env, cwd=here, timeout=600,
+      capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S,
   )
   reports = [json.loads(l.removeprefix("PARITY ")) for l in proc.stdout.splitlines() if l.startswith("PARITY ")]
   assert proc.returncode == 0 and [r["case"] for r in reports] == list(ROUTERS), proc.stderr[-3000:]
