@@ -34,9 +34,11 @@ for i in "${!stages[@]}"; do
           --shipped-only || rc=1
       done ;;
     one_rank)
-      python3 bench/mock_collectives.py --out "$out" --topologies 1x8x1,16x8x1,1x1x8 2>&1 | tee "$out/mock_collectives.log" || rc=1
+      python3 bench/mock_collectives.py --out "$out" --topologies 1x8x1,16x8x1 2>&1 | tee "$out/mock_collectives.log" || rc=1
       python3 bench/one_rank.py configs/deepseek3-671b-h100x1024.yml --devices 1024 --slices 128 --layers 4,5 \
-        --timeout 240 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee "$out/one_rank.log" || rc=1 ;;
+        --timeout 200 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee "$out/one_rank.log" || rc=1
+      python3 bench/one_rank.py configs/deepseek3-proxy-8gpu.yml --devices 8 --timeout 150 --out "$out" 2>&1 \
+        | grep -v "^\[NO-OP\]" | tee -a "$out/one_rank.log" || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done
