@@ -264,3 +264,13 @@ def test_docker_run_sh_without_gpus_and_with_a_network(gpus, options, want, tmp_
   bad = subprocess.run(["bash", str(ROOT / "launch/docker-run.sh"), "img"], env={**environ, "TEMOE_GPUS": "2"},
                        capture_output=True, text=True, timeout=60, check=False)
   assert bad.returncode == 2 and "TEMOE_GPUS=2: valid: all, none" in bad.stderr
+
+
+def test_the_commit_is_declared_after_every_run_so_a_new_commit_keeps_the_cached_layers():
+  """`make image` passes --build-arg VCS_REF=<commit>; a RUN after `ARG VCS_REF` is rebuilt whenever it changes
+  (the build's first real runs rebuilt TE's JAX extension, ~15 minutes, for every commit)."""
+  lines = DOCKERFILE.read_text().splitlines()
+  declared = next(i for i, line in enumerate(lines) if line.startswith("ARG VCS_REF"))
+  last_run = max(i for i, line in enumerate(lines) if line.startswith("RUN "))
+  assert declared > last_run
+  assert 'org.opencontainers.image.revision="${VCS_REF}"' in "\n".join(lines[declared:])
