@@ -23,6 +23,8 @@ CASES = {
     "chunks zero": (["te_moe_chunks=0"], "an integer >= 1 (1: unchunked)"),
     "chunks without temoe's block": (["te_moe_chunks=2", "te_moe_block=false"], "need te_moe_block=true"),
     "hier without temoe's block": (["te_moe_exchange=hier", "te_moe_block=false"], "need te_moe_block=true"),
+    "pipeline with a routing bias": (["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1"],
+                                     "MaxText's pipeline carries no MoE routing-bias variable"),
 }
 
 

@@ -155,6 +155,7 @@ def _validate_temoe(model, types) -> None:
     raise ValueError("Loss-free load balancing is only supported for the DeepSeek decoder block.")
   _refuse_changed_semantics(model, types)
   check_node_boundary(model)
+  check_pipeline(model)
   from temoe import hardware  # pylint: disable=import-outside-toplevel
 
   backend = recipes.resolve_backend(model.te_moe_backend, model.te_gmm_quantization, hardware.detect(),
@@ -195,6 +196,16 @@ def check_node_boundary(model) -> None:
     from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
 
     exchange.check_node_size(node, ici * dcn)
+
+
+def check_pipeline(model) -> None:
+  """MaxText's pipeline (ici/dcn_pipeline_parallelism > 1) carries only parameters and RNG state through
+  its stages and asserts so; DeepSeek's routing bias (routed_bias=true) is another kind of variable, so
+  the step fails to build, with temoe's block or MaxText's own MoE alike: refused here in one line."""
+  if model.using_pipeline_parallelism and model.routed_bias:
+    raise ValueError("routed_bias=true under pipeline parallelism: MaxText's pipeline carries no MoE routing-bias "
+                     "variable through its stages (its own MoE fails the same); set routed_bias=false "
+                     "(override_model_config=true) or ici/dcn_pipeline_parallelism=1")
 
 
 def place_fp8_weights(model, backend: str) -> None:

@@ -70,6 +70,16 @@ def chunk_tokens(ctx: MoEContext, tokens: int) -> int:
   return tokens // ctx.chunks
 
 
+def stat_axes(mesh, tokens: P, experts_axis) -> tuple[str, ...]:
+  """The mesh axes the per-device stats differ along: the tokens' and the expert axis, in mesh order. Not
+  the others (tensor, or MaxText's pipeline stages, a vmap axis that shard_map's out_specs may not name):
+  along those the block computes the same rows, so its stats are the same."""
+  named = set()
+  for entry in (*tokens, experts_axis):
+    named |= set(entry) if isinstance(entry, tuple) else {entry} if entry else set()
+  return tuple(a for a in mesh.axis_names if a in named)
+
+
 def apply(ctx: MoEContext, x, expert_ids, weights, wi, wo, biases=(None, None, None)):
   """The routed-MoE layer's output for `x` (batch, seq, emb) routed to `expert_ids` with `weights`
   (batch, seq, top_k), on expert weights `wi` (experts, emb, 2 * ffn: [gate | up]) and `wo`
@@ -96,7 +106,7 @@ def apply(ctx: MoEContext, x, expert_ids, weights, wi, wo, biases=(None, None, N
         compute,
         mesh=ctx.mesh,
         in_specs=in_specs,
-        out_specs=(tokens, P(tuple(ctx.mesh.axis_names))),
+        out_specs=(tokens, P(stat_axes(ctx.mesh, tokens, experts_axis))),
         check_vma=False,
     )(*args)
   if ctx.check_finite:
