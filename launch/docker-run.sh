@@ -3,13 +3,16 @@
 # namespace (NCCL and the JAX host-offload pool use shared memory), unlimited locked memory (pinned
 # host buffers) and a 64 MiB stack. The image's entrypoint adds the env profile for the GPU it finds.
 #
-#   launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] IMAGE [COMMAND ...]
+#   launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] [--ulimit NAME=SOFT:HARD] IMAGE [COMMAND ...]
 #   launch/docker-run.sh temoe:dev doctor
 #   launch/docker-run.sh -v /lustre/runs:/runs temoe:dev train /opt/temoe/configs/deepseek3-smoke.yml \
 #       hardware=gpu dtype=bfloat16 weight_dtype=bfloat16 base_output_directory=/runs
 #
 # `temoe launch docker` reads the TEMOE_DOCKER_FLAGS line below: edit it here, both follow. TEMOE_GPUS=none
-# leaves out `--gpus all` (a host without GPUs, e.g. the image test's CPU run; default: all).
+# leaves out `--gpus all` (a host without GPUs, e.g. the image test's CPU run; default: all). A --ulimit given here
+# comes after the script's own and wins for its name: for a host whose hard limits the engine cannot raise (a
+# runtime without CAP_SYS_RESOURCE; podman, once any --ulimit is given, also asks for 1048576 open files and
+# processes unless told otherwise).
 #
 # Exit codes (temoe.exits): a run that exits 75 (preempted after a checkpoint, a transient fault) is started
 # again, at most TEMOE_MAX_RESTARTS times (default 3), and resumes from its last checkpoint; any other code
@@ -32,14 +35,16 @@ case "${TEMOE_GPUS:-all}" in
 esac
 
 options=()
+limits=()
 while [ $# -gt 0 ]; do
   case "$1" in
-    -v|-e|--name|--network) [ $# -ge 2 ] || { echo "docker-run.sh: $1 needs a value" >&2; exit 2; }; options+=("$1" "$2"); shift 2 ;;
-    -*) echo "docker-run.sh: unknown option $1 (valid: -v HOST:CONTAINER[:ro], -e KEY=VALUE, --name NAME, --network NAME)" >&2; exit 2 ;;
+    -v|-e|--name|--network|--ulimit) [ $# -ge 2 ] || { echo "docker-run.sh: $1 needs a value" >&2; exit 2; }
+      if [ "$1" = --ulimit ]; then limits+=("$1" "$2"); else options+=("$1" "$2"); fi; shift 2 ;;
+    -*) echo "docker-run.sh: unknown option $1 (valid: -v HOST:CONTAINER[:ro], -e KEY=VALUE, --name NAME, --network NAME, --ulimit NAME=SOFT:HARD)" >&2; exit 2 ;;
     *) break ;;
   esac
 done
-[ $# -ge 1 ] || { echo "usage: launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] IMAGE [COMMAND ...]" >&2; exit 2; }
+[ $# -ge 1 ] || { echo "usage: launch/docker-run.sh [-v HOST:CONTAINER[:ro]] [-e KEY=VALUE] [--name NAME] [--network NAME] [--ulimit NAME=SOFT:HARD] IMAGE [COMMAND ...]" >&2; exit 2; }
 image=$1
 shift
 restarts=0
@@ -56,7 +61,7 @@ while :; do
     trap : TERM INT
     code=0
     sh -c 'echo $$ > "$0"; exec "$@"' "$state/pid" \
-      docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" --stop-timeout "$stop_timeout" "$image" "$@" || code=$?
+      docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" "${limits[@]}" --stop-timeout "$stop_timeout" "$image" "$@" || code=$?
     echo "$code" > "$state/status"
   ) &
   runner=$!

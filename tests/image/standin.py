@@ -101,7 +101,8 @@ def _run(step: str, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def image_exists(tag: str) -> bool:
-  return subprocess.run(["docker", "image", "inspect", tag], capture_output=True, check=False, env=ENVIRON).returncode == 0
+  inspect = subprocess.run(["docker", "image", "inspect", tag], capture_output=True, check=False, env=ENVIRON)
+  return inspect.returncode == 0
 
 
 def build_rootfs(tag: str, prefix: pathlib.Path, log=print) -> None:

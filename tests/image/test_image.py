@@ -37,7 +37,8 @@ STEP = re.compile(r"completed step: (\d+),")
 def _answers(environ: dict[str, str]) -> bool:
   if shutil.which("docker") is None:
     return False
-  return subprocess.run(["docker", "version"], env=environ, capture_output=True, timeout=60, check=False).returncode == 0
+  version = subprocess.run(["docker", "version"], env=environ, capture_output=True, timeout=60, check=False)
+  return version.returncode == 0
 
 
 def _start_podman(environ: dict[str, str], sock: pathlib.Path) -> subprocess.Popen:
@@ -97,6 +98,23 @@ def image(engine) -> str:
   return IMAGE
 
 
+LIMITS = {"nofile": "Max open files", "nproc": "Max processes", "memlock": "Max locked memory"}
+
+
+@pytest.fixture(scope="session")
+def default_limits(image, engine) -> list[str]:
+  """`--ulimit` options holding the limits the engine gives a container by default, for docker-run.sh to pass after
+  its own: its memlock=-1 (pinned host buffers on a GPU host) is more than a runtime without CAP_SYS_RESOURCE
+  can set (this CI's podman: "error setting rlimit type 8: operation not permitted"), and podman, once any
+  --ulimit is given, asks for 1048576 open files and processes, more than such a host allows."""
+  run = docker(engine, "run", "--rm", "--network", "none", "--entrypoint", "cat", image, "/proc/self/limits")
+  assert run.returncode == 0, run.stderr
+  rows = {line[:26].strip(): line[26:].split() for line in run.stdout.splitlines()}
+  value = lambda v: "-1" if v == "unlimited" else v  # noqa: E731
+  return [w for name, row in LIMITS.items()
+          for w in ("--ulimit", f"{name}={value(rows[row][0])}:{value(rows[row][1])}")]
+
+
 def test_doctor_in_the_image_finds_the_stack_temoe_is_tested_against(image, engine):
   run = docker(engine, "run", "--rm", "--network", "none", *CPU, image, "doctor", "--image")
   assert run.returncode == 0, run.stdout + run.stderr[-4000:]
@@ -114,11 +132,11 @@ def test_plan_in_the_image_prices_the_step_with_the_packaged_calibration(image, 
 
 
 @contextlib.contextmanager
-def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: str):
+def train_in_container(engine: dict, image: str, limits: list[str], out: pathlib.Path, *overrides: str):
   """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`, its output in
   out/log; the container is removed on the way out whatever happened."""
   name = f"temoe-image-test-{os.getpid()}-{out.name}"
-  proc = _start(engine, image, out, name, *overrides)
+  proc = _start(engine, image, limits, out, name, *overrides)
   try:
     yield proc
   finally:
@@ -127,18 +145,20 @@ def train_in_container(engine: dict, image: str, out: pathlib.Path, *overrides: 
     docker(engine, "rm", "-f", name, timeout=120)
 
 
-def _start(engine: dict, image: str, out: pathlib.Path, name: str, *overrides: str) -> subprocess.Popen:
+def _start(engine: dict, image: str, limits: list[str], out: pathlib.Path, name: str, *overrides: str
+           ) -> subprocess.Popen:
   out.mkdir(parents=True, exist_ok=True)
   log = open(out / "log", "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  cmd = ["bash", str(ROOT / "launch/docker-run.sh"), "--name", name, "--network", "none", *CPU, "-v", f"{out}:/runs", image,
+  cmd = ["bash", str(ROOT / "launch/docker-run.sh"), "--name", name, "--network", "none", *limits, *CPU,
+         "-v", f"{out}:/runs", image,
          "train", SMOKE, "base_output_directory=/runs", "run_name=run", "metrics_file=/runs/metrics.jsonl",
          "enable_tensorboard=false", *overrides]
   return subprocess.Popen(cmd, env={**engine, "TEMOE_GPUS": "none", "TEMOE_MAX_RESTARTS": "1"}, stdout=log,
                           stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def test_the_smoke_model_trains_in_the_container(image, engine, tmp_path):
-  with train_in_container(engine, image, tmp_path, "steps=4") as proc:
+def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, tmp_path):
+  with train_in_container(engine, image, default_limits, tmp_path, "steps=4") as proc:
     code = proc.wait(1800)
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
   assert code == 0, log[-6000:]
@@ -148,10 +168,10 @@ def test_the_smoke_model_trains_in_the_container(image, engine, tmp_path):
   assert all(math.isfinite(loss) for loss in losses.values()), losses
 
 
-def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, tmp_path):
+def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, default_limits, tmp_path):
   """docker-run.sh passes the SIGTERM on to the container: temoe finishes its step, checkpoints it, exits 75, and
   docker-run.sh, stopped, does not start it again. steps is far beyond what runs before the signal."""
-  with train_in_container(engine, image, tmp_path, "steps=100000", "enable_checkpointing=true",
+  with train_in_container(engine, image, default_limits, tmp_path, "steps=100000", "enable_checkpointing=true",
                           "checkpoint_period=100000", "async_checkpointing=false") as proc:
     deadline, stepped = time.monotonic() + 1800, False
     while not stepped and proc.poll() is None and time.monotonic() < deadline:

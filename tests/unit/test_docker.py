@@ -245,13 +245,19 @@ def test_a_non_editable_install_from_the_build_context_carries_the_calibrations(
   assert described.startswith("h200: temoe/tools/calibrations/h200.json (")
 
 
+LIMITS = ["--ulimit", "memlock=-1:-1", "--ulimit", "stack=67108864:67108864"]
+
+
 @pytest.mark.parametrize("gpus, options, want", [
-    (None, [], ["--gpus", "all", "--ipc", "host"]),
-    ("none", ["--network", "none"], ["--network", "none", "--ipc", "host"]),
+    (None, [], ["--gpus", "all", "--ipc", "host", *LIMITS]),
+    ("none", ["--network", "none"], ["--network", "none", "--ipc", "host", *LIMITS]),
+    ("none", ["--ulimit", "memlock=8:8", "--network", "none"], ["--network", "none", "--ipc", "host", *LIMITS,
+                                                                  "--ulimit", "memlock=8:8"]),
 ])
 def test_docker_run_sh_without_gpus_and_with_a_network(gpus, options, want, tmp_path):
-  """TEMOE_GPUS=none and --network (the image test's CPU run in a container with no network) reach `docker run`;
-  anything else is refused naming the valid choices."""
+  """TEMOE_GPUS=none, --network and --ulimit (the image test's CPU run in a container with no network, on an engine
+  that cannot raise limits) reach `docker run`, a --ulimit after the script's own (docker keeps the last of a name);
+  a TEMOE_GPUS of anything else is refused naming the valid choices."""
   (tmp_path / "docker").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.argv"\n')
   (tmp_path / "docker").chmod(0o755)
   environ = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **({"TEMOE_GPUS": gpus} if gpus else {})}
