@@ -10,9 +10,9 @@ from temoe import exits
 
 FAULTS = {  # name -> (what happens, exit code, excerpts of the last line (in order; a tuple: one of them), the test)
     "data runs out": (
-        "the training data holds 5 batches, steps=8", exits.NEEDS_PERSON,
-        "training stopped at step 5 of 8: the training data ran out (grain_train_files has fewer batches than steps "
-        "asks for); checkpoint step 4 saved", "e2e/test_failures.py"),
+        "the training data holds 5 batches and a partial one (4 of 8 rows), steps=8", exits.NEEDS_PERSON,
+        "training stopped at step 6 of 8: the training data ran out (grain_train_files has fewer batches than steps "
+        "asks for); checkpoint step 5 saved", "e2e/test_failures.py"),
     "NaN state": ("learning_rate=1e30: the train state goes NaN", exits.NEEDS_PERSON,
                   ("the train state after step ", " has NaN/Inf values (in ",
                    "so it was not checkpointed; the latest checkpoint (step {good}) is the last good one"),
@@ -59,8 +59,12 @@ FAULTS = {  # name -> (what happens, exit code, excerpts of the last line (in or
         "resumed with base_moe_mlp_dim=48 instead of 32", exits.NEEDS_PERSON,
         "does not fit this config: parameter params/params/decoder/moe_layers/DeepSeekMoeBlock_0/MoeBlock_0/wi is "
         "(16, 2, 64, 64) in the checkpoint and (16, 2, 64, 96) in this config", "e2e/test_reliability.py"),
+    "checkpoint directory turned read-only mid-run": (
+        "checkpoints/ remounted read-only after the first save, asynchronous saves on", exits.NEEDS_PERSON,
+        ("the checkpoint of step ", "could not be written to ", ": Read-only file system; nothing of it is listed as a "
+         "step"), "e2e/test_reliability.py"),
     "read-only checkpoint directory": (
-        "checkpoints/ on a read-only mount", exits.NEEDS_PERSON,
+        "that run started again, its checkpoints/ still read-only", exits.NEEDS_PERSON,
         "the checkpoint directory {dir} is not a writable directory (Read-only file system)", "e2e/test_reliability.py"),
 }
 

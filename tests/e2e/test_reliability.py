@@ -5,10 +5,13 @@ truncated chunk is Orbax's "incompatible handler" plus a dump of the whole state
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -190,14 +193,23 @@ def overwrite_with_ff(path: pathlib.Path) -> None:
     f.write(b"\xff" * (size // 2))
 
 
-def test_a_finished_run_started_again_says_so_and_exits_0(checkpointed, smoke_data):
-  proc = subprocess.run(runs.command(checkpointed.parent, smoke_data, checkpointed.name, "again.jsonl", "steps=6",
-                                     *CHECKPOINTING), cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
-  faults.check("finished run started again", proc.returncode, proc.stdout + proc.stderr)
-  assert "completed step" not in proc.stdout + proc.stderr
+def train_in_process(command: list[str], capsys) -> tuple[int, str]:
+  """(exit code, output) of `temoe train` run by `temoe.cli.main` in this process: for runs that stop in the
+  preflight, before MaxText starts (no new process to start and import)."""
+  code = cli.main(command[3:])  # after `python -m temoe.cli`
+  out, err = capsys.readouterr()
+  return code, out + err
 
 
-def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_step_resumes(checkpointed, smoke_data):
+def test_a_finished_run_started_again_says_so_and_exits_0(checkpointed, smoke_data, capsys):
+  code, log = train_in_process(runs.command(checkpointed.parent, smoke_data, checkpointed.name, "again.jsonl",
+                                            "steps=6", *CHECKPOINTING), capsys)
+  faults.check("finished run started again", code, log)
+  assert "completed step" not in log
+
+
+def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_step_resumes(checkpointed, smoke_data,
+                                                                                              capsys):
   """Without checksum records the flipped chunk restores as NaN/Inf; the run stops before its first step,
   names the newest step that restores intact, and te_resume_step resumes from it, once."""
   code, log, run = train_copy(checkpointed, smoke_data, "flipped-no-records", without_records(flip_to_nonfinite))
@@ -212,11 +224,17 @@ def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_
   assert "restoring from this run's directory step 0" in resumed.stderr
   assert sorted(runs.losses(run.parent / "resumed.jsonl")) == list(range(1, 8))
   assert [p.name for p in (run / preflight.SET_ASIDE).glob("*/*")] == [str(SAVED)]  # kept, not deleted
-  again = subprocess.run(runs.command(run.parent, smoke_data, run.name, "again.jsonl", *RESUME, "te_resume_step=0"),
-                         cwd=runs.ROOT, capture_output=True, text=True, timeout=600)  # a requeue, same arguments
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert f"restoring from this run's directory step {SAVED}" in again.stderr  # the new step 5: applied once only
-  assert len(list((run / preflight.SET_ASIDE).glob("2*"))) == 1 and "moved checkpoint" not in again.stdout
+  capsys.readouterr()
+  import temoe  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
+  try:  # a requeue with the same arguments: the preflight `temoe train` runs, with the run lock
+    preflight.check(runs.command(run.parent, smoke_data, run.name, "again.jsonl", *RESUME, "te_resume_step=0")[4:],
+                    lock_run=True)
+  finally:
+    preflight.release()
+  assert "moved checkpoint" not in capsys.readouterr().out  # applied once only: the new step 5 stays the latest
+  assert runs.finalized_steps(run / "checkpoints") == [0, SAVED] and len(list((run / preflight.SET_ASIDE).glob("2*"))) == 1
 
 
 def test_a_chunk_overwritten_without_records_is_a_digest_mismatch_in_one_line(checkpointed, smoke_data):
@@ -232,20 +250,56 @@ def test_another_model_shape_names_the_parameter_and_both_shapes(checkpointed, s
 
 
 @pytest.fixture
-def read_only_checkpoints(tmp_path):
-  """A run directory whose checkpoints/ is a read-only mount. Needs root (CI runs as root)."""
+def bind_mounted_checkpoints(tmp_path):
+  """A run directory whose checkpoints/ is a bind mount of itself, writable until the test remounts it
+  read-only (a revoked mount, a storage turned read-only). Needs root (CI runs as root)."""
   checkpoints = tmp_path / "run" / "checkpoints"
   checkpoints.mkdir(parents=True)
-  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(checkpoints)], capture_output=True,
-                        text=True, check=False) if shutil.which("mount") else None
+  made = subprocess.run(["mount", "--bind", str(checkpoints), str(checkpoints)], capture_output=True, text=True,
+                        check=False) if shutil.which("mount") else None
   if made is None or made.returncode:
-    pytest.skip(f"cannot mount a read-only tmpfs here: {made.stderr.strip() if made else 'no mount command'}")
+    pytest.skip(f"cannot bind-mount here: {made.stderr.strip() if made else 'no mount command'}")
   yield checkpoints
   subprocess.run(["umount", str(checkpoints)], check=False)
 
 
-def test_a_read_only_checkpoint_directory_is_refused_before_compiling(tmp_path, smoke_data, read_only_checkpoints):
-  proc = subprocess.run(runs.command(tmp_path, smoke_data, "run", "ro.jsonl", *RESUME), cwd=runs.ROOT,
-                        capture_output=True, text=True, timeout=600)
-  faults.check("read-only checkpoint directory", proc.returncode, proc.stdout + proc.stderr,
-               dir=f"{read_only_checkpoints}/")
+LINGER_S = 60
+"""How long the test waits for the process after its last line: the contract is a few seconds
+(temoe.oneline.EXIT_GRACE_S); without the bound it stayed about 290 s."""
+
+
+def test_a_checkpoint_directory_turning_read_only_mid_run_stops_it_and_the_process_exits(tmp_path, smoke_data,
+                                                                                         bind_mounted_checkpoints, capsys):
+  """Once step 0 is committed the run is paused (SIGSTOP), its checkpoint directory remounted read-only, and
+  resumed: the next save fails with one line, exit 2, and the process is gone soon after that line. Started
+  again on the read-only directory, the run is refused before compiling."""
+  proc = runs.start(tmp_path, smoke_data, "run", "ro-mid.jsonl", "steps=40", "enable_checkpointing=true",
+                    "checkpoint_period=4", "save_checkpoint_on_start=true", "async_checkpointing=true",
+                    "enable_tensorboard=false")
+  log = tmp_path / "ro-mid.jsonl.log"
+  try:
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and not runs.finalized_steps(bind_mounted_checkpoints) and time.monotonic() < deadline:
+      time.sleep(0.002)
+    assert proc.poll() is None, log.read_text(encoding="utf-8")[-3000:]
+    os.kill(proc.pid, signal.SIGSTOP)
+    subprocess.run(["mount", "-o", "remount,ro,bind", str(bind_mounted_checkpoints)], check=True)
+    os.kill(proc.pid, signal.SIGCONT)
+    while proc.poll() is None and "could not be written" not in log.read_text(encoding="utf-8") \
+        and time.monotonic() < deadline:
+      time.sleep(0.05)
+    try:
+      proc.wait(LINGER_S)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"still running {LINGER_S} s after its last line:\n{log.read_text(encoding='utf-8')[-2000:]}")
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  text = log.read_text(encoding="utf-8")
+  faults.check("checkpoint directory turned read-only mid-run", proc.returncode, text)
+  assert runs.finalized_steps(bind_mounted_checkpoints)[0] == 0
+  assert not (tmp_path / "run" / "temoe.lock").exists()
+
+  code, again = train_in_process(runs.command(tmp_path, smoke_data, "run", "again.jsonl", *RESUME), capsys)
+  faults.check("read-only checkpoint directory", code, again, dir=f"{bind_mounted_checkpoints}/")
