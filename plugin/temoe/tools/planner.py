@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import math
+import os
 from typing import Any
 
 from temoe import hardware
@@ -103,6 +104,38 @@ class Plan:
   gpu: str = "h200"  # the catalog GPU the run is planned for
 
 
+def requested(path: str, overrides: list[str], key: str) -> str | None:
+  """`key` as the command line or the config's own YAML chain sets it (MaxText's base.yml and model configs left
+  out: they do not override an explicit value), or None where neither sets it or the chain cannot be read."""
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  from temoe.run import inputs  # pylint: disable=import-outside-toplevel
+
+  for item in reversed(overrides):
+    name, _, value = item.partition("=")
+    if name.strip() == key:
+      return value.strip().strip("'\"")
+  maxtext = os.path.realpath(inputs.maxtext_configs_dir())
+  seen = set()
+  while path and os.path.isfile(path) and os.path.realpath(path) not in seen:
+    if os.path.realpath(os.path.dirname(path)).startswith(maxtext):
+      return None
+    seen.add(os.path.realpath(path))
+    try:
+      with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+      return None
+    if not isinstance(data, dict):
+      return None
+    if key in data:
+      return str(data[key] or "")
+    base = str(data.get("base_config") or "")
+    beside = os.path.join(os.path.dirname(path), base)
+    path = base if os.path.isabs(base) else beside if base and os.path.isfile(beside) else ""
+  return None
+
+
 def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: str = "h200",
               hbm_gib: float | None = None) -> Plan:
   """Builds the config for the target (this host's GPU, else `gpu`) and estimates it."""
@@ -114,21 +147,25 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
   temoe.register()
   here = hardware.detect()
   seen, hbm_gib, where = target(gpu, hbm_gib)
-  with platform_seen_as(seen):
-    config = build_config(path, overrides, devices)
+  without_te = importlib.util.find_spec("transformer_engine") is None
+  asked = requested(path, overrides, "quantization")
+  ahead = ["quantization=''"] if without_te and asked in STATELESS_TE_QUANTIZATION else []
+  built_for = devices or jax.device_count()  # the count MaxText would take from this host
+  with platform_seen_as(seen):  # built as planned where that is known ahead (else built again below)
+    config = build_config(path, [*overrides, *ahead], built_for)
   first = seen
   if not str(config.hardware).startswith("gpu"):  # a CPU run is planned for this host
     seen = here
   count = devices or max(explicit_devices(config), jax.device_count() if seen is here else 1)
   notes, unquantized = (), []
-  quantization = str(getattr(config.quantization, "value", config.quantization) or "")
-  if quantization in STATELESS_TE_QUANTIZATION and importlib.util.find_spec("transformer_engine") is None:
+  quantization = asked if ahead else str(getattr(config.quantization, "value", config.quantization) or "")
+  if quantization in STATELESS_TE_QUANTIZATION and without_te:
     # MaxText imports TE to build its quantized dense layers; these recipes keep no state, so the
     # parameters and optimizer state are the unquantized layers'. Planned as those, and said so.
     notes = (f"quantization={quantization} planned without Transformer Engine (not installed here): "
              "its dense layers hold the same parameters, FP8 copies are transient",)
     unquantized = ["quantization=''"]
-  if count != devices or seen is not first or unquantized:  # else the first build is this one
+  if count != built_for or seen is not first or unquantized != ahead:  # else the first build is this one
     with platform_seen_as(seen):
       config = build_config(path, [*overrides, *unquantized], count)
   if config.te_moe_block:

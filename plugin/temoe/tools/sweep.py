@@ -65,8 +65,14 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
   """Plans every layout; rows in the order planned."""
   from temoe.tools import calibration, planner, step_model  # pylint: disable=import-outside-toplevel
 
+  import temoe  # pylint: disable=import-outside-toplevel
+
+  temoe.register()
   rows, calib = [], None
-  candidates = layouts(planner.make_plan(path, overrides, devices, gpu, hbm_gib).config.num_experts, devices, slices)
+  seen, _, _ = planner.target(gpu, hbm_gib)
+  with planner.platform_seen_as(seen):  # the expert count only: no estimate of the config as it stands
+    experts = planner.build_config(path, overrides, devices).num_experts
+  candidates = layouts(experts, devices, slices)
   for i, layout in enumerate(candidates):
     print(f"temoe plan --sweep: {i + 1}/{len(candidates)} {layout.describe()}", file=progress, flush=True)
     try:
