@@ -250,4 +250,6 @@ def test_the_planning_guides_table_is_the_committed_check():
 
   page = (ROOT / "docs" / "guides" / "planning.md").read_text()
   assert step_model_check.PAGE == ROOT / "docs" / "guides" / "planning.md"
-  assert step_model_check.TABLE_BEGIN + "\n" + step_model_check.render_table(json.loads(CHECK.read_text())) in page
+  committed = json.loads(CHECK.read_text())
+  assert step_model_check.TABLE_BEGIN + "\n" + step_model_check.render_table(committed) in page
+  assert step_model_check.ONE_RANK_BEGIN + "\n" + step_model_check.render_one_rank_table(committed) in page
