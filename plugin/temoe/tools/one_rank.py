@@ -62,8 +62,9 @@ def layout_of(mesh_axes, ici, dcn) -> str:
   return " ".join(f"{a}={i * d} ({i}x{d})" for a, i, d in zip(mesh_axes, ici, dcn) if i * d > 1) or "one device"
 
 
-def load(path: pathlib.Path = RESULTS) -> list[Measurement]:
-  """The GPU runs of a one_rank.json that were measured (errors and host-device runs left out)."""
+def load(path: pathlib.Path | None = None) -> list[Measurement]:
+  """The GPU runs of a one_rank.json (RESULTS unless told) that were measured (errors and host-device runs left out)."""
+  path = path or RESULTS
   if not path.is_file():
     return []
   try:
