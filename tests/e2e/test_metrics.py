@@ -8,7 +8,6 @@ import math
 import jax.numpy as jnp
 import pytest
 
-from conftest import SMOKE, run_temoe
 from temoe.maxtext import metrics
 
 
@@ -33,12 +32,12 @@ def test_router_entropy_bounds():
   assert float(metrics.router_entropy(one_hot)) == 0.0
 
 
-def test_training_logs_moe_metrics(tmp_path, smoke_data):
-  path = tmp_path / "m.jsonl"
-  result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=metrics", "steps=3",
-                     f"grain_train_files={smoke_data}", f"metrics_file={path}", "record_internal_nn_metrics=true")
-  assert result.returncode == 0, result.stderr[-3000:]
-  rows = [json.loads(line) for line in path.read_text().splitlines()]
+def test_training_logs_moe_metrics(profiled_smoke):
+  """The session's profiled smoke run (conftest's profiled_smoke: `temoe profile`, 5 training steps with
+  record_internal_nn_metrics=true) wrote temoe's per-layer MoE metrics in every row of MaxText's metrics file."""
+  run, _ = profiled_smoke
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [row["step"] for row in rows] == list(range(5))
   routed_rows = 8 * 64 * 4  # global batch x sequence x top-4, every one counted once
   for row in rows:
     for layer in range(2):  # the smoke model's two MoE layers

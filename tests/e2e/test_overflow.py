@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from conftest import SMOKE, run_temoe
+from conftest import HANG_S, SMOKE, run_temoe
 
 HERE = os.path.dirname(os.path.dirname(__file__))  # tests/, where the helper modules live
 FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -26,7 +26,7 @@ cfg = maxtext_config("te_moe_block=true", "dtype=float32", "weight_dtype=float32
                      "ici_fsdp_parallelism=1", f"ragged_buffer_factor={factor}")
 layer, mesh = build(cfg, 0)
 bias = np.zeros(cfg.num_experts, np.float32); bias[:2] = 1e3  # every token picks experts 0 and 1 (device 0)
-layer.gate.bias.value = jnp.asarray(bias)
+layer.gate.bias[...] = jnp.asarray(bias)
 x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, cfg.emb_dim)), jnp.float32)
 out, _, _, _, sown = forward_and_grads(layer, mesh, x, jnp.ones_like(x))
 named = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(sown)}
@@ -38,7 +38,7 @@ print("SKEW " + json.dumps({"received": pick("te_moe_total_recv_tokens"), "capac
 
 def skew_probe(factor: str) -> dict:
   proc = subprocess.run([sys.executable, "-c", SKEW_PROBE, factor], capture_output=True, text=True, cwd=HERE,
-                        env={**os.environ, **FOUR_DEVICES}, timeout=600)
+                        env={**os.environ, **FOUR_DEVICES}, timeout=HANG_S)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("SKEW ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   return json.loads(lines[0][5:])
