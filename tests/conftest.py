@@ -136,15 +136,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{name}: {doc}")
 
 
-LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py", "unit/test_step_model.py",
-                 "slurm/test_slurm.py", "e2e/test_bench_smoke.py", "e2e/test_failures.py", "e2e/test_interchange.py",
-                 "e2e/test_train_e2e.py", "e2e/test_resume.py", "unit/test_profile.py")
-"""The files that take longest (`make test`'s --durations: 1 to 4 minutes each on 2 cores), longest first.
-`make test` runs files whole on each worker (--dist loadfile) in collection order (--no-loadscope-reorder):
-these go out first, then the other training runs (e2e), then the short unit files, so the last files
-to start are short and the workers finish together. test_resume comes well after test_preemption, and
-test_profile well before test_report, so the session's shared runs (smoke_reference, profiled_smoke) are
-usually done when the second file asks for them."""
+LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py",
+                 "unit/test_step_model.py", "slurm/test_slurm.py", "unit/test_parity_matrix.py", "e2e/test_bench_smoke.py",
+                 "e2e/test_failures.py", "e2e/test_overflow.py", "unit/test_parity.py", "e2e/test_train_e2e.py",
+                 "e2e/test_interchange.py", "unit/test_bench_mosaic_gemm.py", "e2e/test_resume.py", "unit/test_profile.py")
+"""The files that take longest (`make test`'s --durations), longest first: the training runs, the parity
+matrix and its 4-device runs, the interpret-mode sweep. `make test` runs files whole on each worker (--dist
+loadfile) in collection order (--no-loadscope-reorder): these go out first, then the other training runs (e2e),
+then the short unit files, so the last files to start are short and the workers finish together. The
+session's shared runs (temoe_reference, native_reference, profiled_smoke) are asked for first by
+test_preemption, test_train_e2e and test_profile, so they are usually done when test_interchange, test_resume,
+test_report and test_metrics ask for them."""
 FOLDER_ORDER = ("image", "slurm", "e2e", "unit", "gpu")
 
 
