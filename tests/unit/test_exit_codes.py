@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 import faults
 from temoe import exits
 
@@ -108,3 +110,27 @@ def test_nothing_is_logged_after_the_last_line(tmp_path):
                                     text=True, env=env, check=True).stderr.strip().splitlines()
   assert "Task exception was never retrieved" in "\n".join(run("loud"))  # the echo this guards against
   assert run("quiet")[-1] == "temoe: the checkpoint could not be written"
+
+
+HELD_AT_EXIT = """
+import sys, threading
+from temoe import oneline
+if sys.argv[1] == "program":
+  oneline.as_program()
+threading.Thread(target=threading.Event().wait, name="a save that never returns").start()  # not a daemon
+print("temoe: the checkpoint could not be written", file=sys.stderr, flush=True)
+oneline.exit_promptly(2, grace_s=0.5)
+sys.exit(2)  # Python's shutdown now waits for that thread
+"""
+
+
+def test_a_failed_program_exits_with_its_code_though_a_thread_never_ends():
+  """Orbax's save threads blocked in a key-value get held a failed run ~290 s after its line; the bound ends the
+  `temoe` program with the line's code. A caller that runs temoe in-process is left alone (not a program)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  done = subprocess.run([sys.executable, "-c", HELD_AT_EXIT, "program"], capture_output=True, text=True, timeout=120)
+  assert done.returncode == 2 and done.stderr.strip().splitlines()[-1] == "temoe: the checkpoint could not be written"
+  with pytest.raises(subprocess.TimeoutExpired):
+    subprocess.run([sys.executable, "-c", HELD_AT_EXIT, "caller"], capture_output=True, text=True, timeout=2)
