@@ -131,14 +131,37 @@ def test_plan_in_the_image_prices_the_step_with_the_packaged_calibration(image, 
   assert "step time on h200 (h200: temoe/tools/calibrations/h200.json (measured))" in run.stdout, run.stdout[-4000:]
 
 
+@pytest.fixture(scope="session")
+def faithful(image, engine) -> bool:
+  """Whether `docker run --rm` returns the container's exit code on this engine. podman 4.3's Docker API (Debian 12)
+  answers the CLI's wait for removal with 0, so there docker-run.sh's own exit code says nothing, and the tests read
+  the container's code from the engine's `die` event instead (they read it everywhere)."""
+  run = docker(engine, "run", "--rm", "--network", "none", image, "sh", "-c", "exit 75", timeout=300)
+  if run.returncode != 75:
+    print(f"image test: `docker run --rm` here exits {run.returncode} for a container that exits 75 (podman 4.3's "
+          "Docker API); docker-run.sh's exit code is not checked, the container's is")
+  return run.returncode == 75
+
+
+def container_exit(engine: dict, name: str, since: int) -> int | None:
+  """The exit code of container `name` as the engine's `die` event gives it (None: no such event)."""
+  events = docker(engine, "events", "--since", str(since), "--until", str(int(time.time()) + 1), "--filter",
+                  f"container={name}", "--filter", "event=die", "--format", "{{.Actor.Attributes.exitCode}}",
+                  timeout=120)
+  codes = events.stdout.split()
+  return int(codes[-1]) if codes else None
+
+
 @contextlib.contextmanager
 def train_in_container(engine: dict, image: str, limits: list[str], out: pathlib.Path, *overrides: str):
   """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`, its output in
-  out/log; the container is removed on the way out whatever happened."""
+  out/log; yields (the process, a function returning the container's exit code); the container is removed on the
+  way out whatever happened."""
   name = f"temoe-image-test-{os.getpid()}-{out.name}"
+  since = int(time.time()) - 1
   proc = _start(engine, image, limits, out, name, *overrides)
   try:
-    yield proc
+    yield proc, lambda: container_exit(engine, name, since)
   finally:
     if proc.poll() is None:
       proc.kill()
@@ -157,22 +180,24 @@ def _start(engine: dict, image: str, limits: list[str], out: pathlib.Path, name:
                           stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, tmp_path):
-  with train_in_container(engine, image, default_limits, tmp_path, "steps=4") as proc:
+def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, faithful, tmp_path):
+  with train_in_container(engine, image, default_limits, tmp_path, "steps=4") as (proc, container_code):
     code = proc.wait(1800)
+    inside = container_code()
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
-  assert code == 0, log[-6000:]
+  assert inside == 0, f"the container exited {inside}\n{log[-6000:]}"
+  assert code == 0 or not faithful, log[-6000:]
   assert "te_moe_block=true -> temoe MoE block" in log, log[-6000:]
   losses = runs.losses(tmp_path / "metrics.jsonl")
   assert sorted(losses) == [0, 1, 2, 3], losses
   assert all(math.isfinite(loss) for loss in losses.values()), losses
 
 
-def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, default_limits, tmp_path):
+def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, default_limits, faithful, tmp_path):
   """docker-run.sh passes the SIGTERM on to the container: temoe finishes its step, checkpoints it, exits 75, and
   docker-run.sh, stopped, does not start it again. steps is far beyond what runs before the signal."""
   with train_in_container(engine, image, default_limits, tmp_path, "steps=100000", "enable_checkpointing=true",
-                          "checkpoint_period=100000", "async_checkpointing=false") as proc:
+                          "checkpoint_period=100000", "async_checkpointing=false") as (proc, container_code):
     deadline, stepped = time.monotonic() + 1800, False
     while not stepped and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.5)  # the run cannot finish meanwhile: the signal may come late, never too late
@@ -180,10 +205,12 @@ def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, def
     if proc.poll() is None:
       os.kill(proc.pid, signal.SIGTERM)
     code = proc.wait(900)
+    inside = container_code()
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
   assert stepped, f"no second step before the run ended (exit {code}):\n{log[-6000:]}"
   temoe_lines = runs.temoe_lines(log)
-  assert code == 75, f"exit {code}\n{log[-6000:]}"
+  assert inside == 75, f"the container exited {inside}\n{log[-6000:]}"
+  assert code == 75 or (not faithful and code == 0), f"docker-run.sh exited {code}\n{log[-6000:]}"
   stop = re.search(r"training stopped after step (\d+) of 100000: SIGTERM \(preemption or a stop request\); "
                    r"checkpoint step (\d+) saved\. Exit 75 \(requeue\)", temoe_lines[-1] if temoe_lines else "")
   assert stop and stop.group(1) == stop.group(2), log[-6000:]
