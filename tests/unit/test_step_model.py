@@ -112,7 +112,8 @@ def test_groups_that_leave_the_nvlink_domain_take_the_nic():
 
 def test_a_pipelined_config_pays_maxtexts_bubble():
   settings = ["ici_pipeline_parallelism=2", "ici_expert_parallelism=4", "num_pipeline_microbatches=4",
-              "pipeline_parallel_layers=2", "scan_layers=false"]
+              "pipeline_parallel_layers=2", "scan_layers=false",
+              "override_model_config=true", "routed_bias=false"]  # MaxText's pipeline carries no routing bias
   p = plan.make_plan(PROXY_8GPU, settings, 8, "h200")
   ici, dcn = plan.mesh_split(p.config, 8)
   job = step_model.job_of(p.config, ici, dcn, 1, p.backend, p.quantization, p.estimate)
