@@ -146,9 +146,9 @@ def faithful(image, engine) -> bool:
 def container_exit(engine: dict, name: str, since: int) -> int | None:
   """The exit code of container `name` as the engine's `die` event gives it (None: no such event)."""
   events = docker(engine, "events", "--since", str(since), "--until", str(int(time.time()) + 1), "--filter",
-                  f"container={name}", "--filter", "event=die", "--format", "{{.Actor.Attributes.exitCode}}",
-                  timeout=120)
-  codes = events.stdout.split()
+                  f"container={name}", "--format", "{{.Action}} {{.Status}} {{.Actor.Attributes.exitCode}}",
+                  timeout=120)  # podman's Docker API answers nothing to --filter event=die: the events are picked here
+  codes = [line.split()[-1] for line in events.stdout.splitlines() if "die" in line.split()[:2]]
   return int(codes[-1]) if codes else None
 
 
