@@ -65,9 +65,11 @@ def engine():
   asked = os.environ.get("CI") == "true" or os.environ.get("TEMOE_IMAGE_INSTALL") == "1"
   if shutil.which("podman") is None and asked:
     subprocess.run(["bash", str(ENGINE_SH), "install"], check=True, timeout=1200)
-  if shutil.which("docker") is None or shutil.which("podman") is None:
-    pytest.skip("image test skipped: no container engine (docker does not answer, podman is not installed; "
-                "CI=true or TEMOE_IMAGE_INSTALL=1 installs podman from Debian's packages)")
+  missing = [tool for tool in ("docker", "podman") if shutil.which(tool) is None]
+  if missing:
+    why = "no Docker CLI" if "docker" in missing else "docker does not answer and podman is not installed"
+    pytest.skip(f"image test skipped: no container engine ({why}; CI=true or TEMOE_IMAGE_INSTALL=1 installs podman "
+                "from Debian's packages)")
   with tempfile.TemporaryDirectory(prefix="temoe-podman-") as tmp:
     sock = pathlib.Path(tmp) / "podman.sock"
     environ["DOCKER_HOST"] = f"unix://{sock}"
