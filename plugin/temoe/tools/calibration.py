@@ -147,7 +147,7 @@ def calibration_for(gpu_name: str, directory: pathlib.Path = DIRECTORY) -> Calib
   path = own if own.is_file() else directory / f"{REFERENCE}.json"
   if not path.is_file():
     raise CalibrationError(f"no calibration for {gpu_name} nor {REFERENCE} in {directory}; "
-                           "run bench/calibrate.py on a GPU (README: Planning a job at scale)")
+                           "run bench/calibrate.py on a GPU (docs/guides/planning.md)")
   data = load(path)
   if data["gpu"] not in hardware.GPUS:
     raise CalibrationError(f"calibration {path} is for {data['gpu']!r}, not a GPU of temoe.hardware.GPUS")
