@@ -95,8 +95,9 @@ def image(engine) -> str:
   build = subprocess.run(["make", "--no-print-directory", "image", f"BASE_IMAGE={base}", f"IMAGE={IMAGE}"], cwd=ROOT,
                          env=engine, capture_output=True, text=True, timeout=3600, check=False)
   out = build.stdout + build.stderr
+  # The build's own `temoe doctor --image` fails the build on a problem (it says "stack: fits" when its layer is
+  # built, nothing when the layer comes from the cache); the doctor test runs it again in the image.
   assert build.returncode == 0, f"make image BASE_IMAGE={base} failed:\n{out[-8000:]}"
-  assert "stack: fits" in out, out[-8000:]  # the build's own `temoe doctor --image` ran and found nothing
   return IMAGE
 
 
