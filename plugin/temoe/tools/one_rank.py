@@ -18,6 +18,7 @@ import json
 import pathlib
 
 from temoe import hardware
+from temoe.tools import step_model
 
 RESULTS = pathlib.Path(__file__).resolve().parents[3] / "bench" / "results" / "one_rank.json"
 """The committed runs (bench/one_rank.py writes them; absent outside a source checkout: nothing is read)."""
@@ -109,8 +110,6 @@ def kinds_of(name: str) -> tuple[str, ...]:
 
 def apply(prediction, m: Measurement):
   """`prediction` with its compute from `m` and its collectives' overlap from `m`'s compiled schedule."""
-  from temoe.tools import step_model  # pylint: disable=import-outside-toplevel
-
   gemm, memory = scales(m, prediction.gpu)
   how = "" if m.gpu == prediction.gpu.name else f"; {m.gpu}'s run scaled: GEMMs x{gemm:.2f}, memory-bound x{memory:.2f}"
   stages = [step_model.Stage(s, m.stages_ms[s] / 1e3 * (gemm if s in GEMM_STAGES else memory),

@@ -126,11 +126,18 @@ def step_lines(p: Plan) -> list[str]:
   """The step-time table (temoe.tools.step_model) for a GPU run; one line why not for a CPU one."""
   if not str(p.config.hardware).startswith("gpu"):
     return [f"step time: not predicted for hardware={p.config.hardware} (the step model prices GPUs)"]
-  from temoe.tools import step_model  # pylint: disable=import-outside-toplevel
+  from temoe.tools import one_rank, step_model  # pylint: disable=import-outside-toplevel
 
   ici, dcn = mesh_split(p.config, p.mesh.size)
   job = step_model.job_of(p.config, ici, dcn, p.config.num_slices, p.backend, p.quantization, p.estimate)
-  return step_model.plan_lines(job, p.gpu, dict(os.environ))
+  lines = step_model.plan_lines(job, p.gpu, dict(os.environ))
+  measured = one_rank.find(job, one_rank.load())
+  if measured:  # this layout ran on one GPU (bench/one_rank.py): its compute and the schedule's overlap
+    calib = step_model.cal.calibration_for(p.gpu)
+    modelled = step_model.predict(job, calib, step_model.xla_flags_for(calib.gpu, dict(os.environ))[1])
+    lines += ["  with this layout's one-rank measurement (bench/results/one_rank.json):"]
+    lines += step_model.table_lines(one_rank.apply(modelled, measured))[1:]
+  return lines
 
 
 if __name__ == "__main__":

@@ -815,16 +815,9 @@ def layout_hazards(job: Job, gpu: hardware.GPU, xla_flags: str) -> list:
 
 def plan_lines(job: Job, gpu_name: str, environ: dict[str, str]) -> list[str]:
   """What `temoe plan` prints after the memory table: the step-time table and the layout's hazards."""
-  from temoe.tools import one_rank  # pylint: disable=import-outside-toplevel
-
   calib = cal.calibration_for(gpu_name)
   raw, flags = xla_flags_for(calib.gpu, environ)
-  modelled = predict(job, calib, flags)
-  lines = table_lines(modelled)
-  measured = one_rank.find(job, one_rank.load())
-  if measured:
-    lines += ["  with this layout's one-rank measurement (bench/results/one_rank.json):"]
-    lines += table_lines(one_rank.apply(modelled, measured))[1:]
+  lines = table_lines(predict(job, calib, flags))
   for h in layout_hazards(job, calib.gpu, raw):
     lines.append(f"  {'hazard' if h.blocking else 'warning'}: {h.what}. Avoid: {h.fix} ({h.source})")
   return lines
