@@ -48,7 +48,7 @@ test: venv
 
 # The docs site (MkDocs), built strict: a broken link or a page missing from the nav fails.
 docs: venv
-	$(PY) -m mkdocs build --strict --quiet --site-dir runs/site
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir runs/site
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
