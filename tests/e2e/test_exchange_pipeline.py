@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE
 
 TOL = 1e-5
 COMMON = ("dataset_type=synthetic", "steps=3", "log_period=1", "enable_tensorboard=false", "override_model_config=true",
@@ -27,7 +27,7 @@ def losses(tmp_path, name, overrides) -> list[dict]:
   metrics = tmp_path / f"{name}.jsonl"
   proc = subprocess.run([sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={tmp_path}",
                          f"run_name={name}", f"metrics_file={metrics}", *COMMON, *overrides],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return [json.loads(line) for line in metrics.read_text().splitlines()]
 

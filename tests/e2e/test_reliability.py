@@ -17,7 +17,7 @@ import pytest
 
 import faults
 import runs
-from conftest import SMOKE
+from conftest import HANG_S, SMOKE
 from temoe import cli
 from temoe.run import checksums, preflight
 
@@ -124,7 +124,7 @@ def test_maxtext_alone_fails_on_the_truncated_chunk(checkpointed, smoke_data):
   base = checkpointed.parent
   argv = runs.command(base, smoke_data, run, "alone.jsonl", *RESUME)[4:]  # MaxText's own arguments
   proc = subprocess.run([sys.executable, "-c", MAXTEXT_ALONE, *argv], cwd=runs.ROOT, capture_output=True, text=True,
-                        timeout=600)
+                        timeout=HANG_S)
   log = proc.stdout + proc.stderr
   assert proc.returncode != 0 and "completed step" not in log
   assert "incompatible handler" in log
@@ -134,7 +134,7 @@ def test_temoe_train_stops_before_maxtext_with_one_line(checkpointed, smoke_data
   run = damaged_copy(checkpointed, "cli-stops", CORRUPTIONS["truncated data chunk"][0])
   base = checkpointed.parent
   proc = subprocess.run(runs.command(base, smoke_data, run, "cli.jsonl", *RESUME), cwd=runs.ROOT,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=HANG_S)
   lines = [line for line in proc.stderr.splitlines() if line.startswith("temoe: ")]
   assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
   assert f"the latest checkpoint {base / run}/checkpoints/{SAVED}" in lines[0] and "Traceback" not in proc.stderr
@@ -144,7 +144,7 @@ def train_copy(checkpointed: pathlib.Path, smoke_data: str, name: str, damage, *
   """(exit code, whole output) of `temoe train` resuming a damaged copy of the run (steps=8)."""
   run = damaged_copy(checkpointed, name, damage)
   proc = subprocess.run(runs.command(checkpointed.parent, smoke_data, run, f"{run}.jsonl", *RESUME, *overrides),
-                        cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
+                        cwd=runs.ROOT, capture_output=True, text=True, timeout=HANG_S)
   return proc.returncode, proc.stdout + proc.stderr, checkpointed.parent / run
 
 
@@ -218,7 +218,7 @@ def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_
   assert "completed step" not in log and runs.finalized_steps(run / "checkpoints") == [0, SAVED]  # nothing saved
 
   resumed = subprocess.run(runs.command(run.parent, smoke_data, run.name, "resumed.jsonl", *RESUME, "te_resume_step=0"),
-                           cwd=runs.ROOT, capture_output=True, text=True, timeout=600)
+                           cwd=runs.ROOT, capture_output=True, text=True, timeout=HANG_S)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"te_resume_step: moved checkpoint step(s) {SAVED} to {run}/{preflight.SET_ASIDE}/" in resumed.stdout
   assert "restoring from this run's directory step 0" in resumed.stderr
@@ -278,7 +278,7 @@ def test_a_checkpoint_directory_turning_read_only_mid_run_stops_it_and_the_proce
                     "enable_tensorboard=false")
   log = tmp_path / "ro-mid.jsonl.log"
   try:
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + HANG_S
     while proc.poll() is None and not runs.finalized_steps(bind_mounted_checkpoints) and time.monotonic() < deadline:
       time.sleep(0.002)
     assert proc.poll() is None, log.read_text(encoding="utf-8")[-3000:]

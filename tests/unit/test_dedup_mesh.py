@@ -69,8 +69,9 @@ def compare() -> list[dict]:
 
 
 def test_dedup_on_8_host_devices_matches_row_per_pair_and_one_device():
+  from conftest import HANG_S  # pylint: disable=import-outside-toplevel  (this file also runs as a script)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=HANG_S)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("DEDUP ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   reports = json.loads(lines[0][6:])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import HANG_S
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,6 +59,6 @@ def test_quiet_strict_docs_build_fails_on_a_broken_link(tmp_path):
   with open(tmp_path / "docs" / "design.md", "a") as f:
     f.write("\n[a page that does not exist](no-such-page.md)\n")
   done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir",
-                         str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         str(tmp_path / "site")], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S,
                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
   assert done.returncode != 0 and "no-such-page.md" in done.stderr, done.stderr[-2000:]

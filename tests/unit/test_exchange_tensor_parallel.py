@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 from test_parity import check
+from conftest import HANG_S
 
 TEMOE = ("ici_tensor_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1", "te_moe_exchange=hier",
          "te_moe_ep_node_size=1", "te_moe_chunks=2")
@@ -21,7 +22,7 @@ def test_block_under_tensor_parallelism_matches_native_moe():
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
   here = os.path.dirname(os.path.dirname(__file__))  # tests/, where parity_check.py lives
   proc = subprocess.run([sys.executable, os.path.join(here, "parity_check.py"), "deepseek3_shared_skewed", *TEMOE,
-                         "--native", *NATIVE], capture_output=True, text=True, env=env, cwd=here, timeout=600)
+                         "--native", *NATIVE], capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S)
   reports = [json.loads(l.removeprefix("PARITY ")) for l in proc.stdout.splitlines() if l.startswith("PARITY ")]
   assert proc.returncode == 0 and len(reports) == 1, proc.stderr[-3000:]
   r = reports[0]

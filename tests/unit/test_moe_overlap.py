@@ -137,8 +137,9 @@ def analyse() -> dict:
 
 
 def test_compiled_layer_leaves_the_exchange_free_to_overlap_the_gemms():
+  from conftest import HANG_S  # pylint: disable=import-outside-toplevel  (this file also runs as a script)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
+  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=HANG_S)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("OVERLAP ")]
   assert proc.returncode == 0 and lines, proc.stderr[-3000:]
   for name, r in json.loads(lines[0][8:]).items():

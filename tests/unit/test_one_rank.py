@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE
 from temoe.tools import hlo_schedule
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -254,6 +254,6 @@ def test_under_the_mock_each_peer_routes_as_this_rank():
 
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
   done = subprocess.run([sys.executable, "-c", OWN_COUNTS], capture_output=True, text=True, cwd=ROOT, env=env,
-                        timeout=300, check=False)
+                        timeout=HANG_S, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split("\n")[0] == "[[2, 3], [2, 3], [2, 3], [2, 3]] [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE
 from temoe.tools import plan
 
 TOLERANCE = plan.TOLERANCE
@@ -30,7 +30,7 @@ def cpu_peaks():
            start_measuring(4, "fsdp_state", "expert_parallel")]
   rows = {}
   for proc in procs:
-    out, err = proc.communicate(timeout=600)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 0, err[-3000:]
     rows.update((r["case"], r) for r in (json.loads(l.split(" ", 1)[1]) for l in out.splitlines()
                                           if l.startswith("PLAN_MEASURE ")))
@@ -127,7 +127,7 @@ def test_every_measured_gpu_proxy_path_is_planned_within_5_percent_of_its_h200_p
 def test_plan_check_reports_estimate_over_measured_per_path(tmp_path):
   out = tmp_path / "rows.json"
   done = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--paths", "temoe_fp8,temoe_fp8@5",
-                         "--results", MEASURED, "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                         "--results", MEASURED, "--out", str(out)], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
   assert rows["temoe_fp8"]["measured_gib"] == h200_peaks()["temoe_fp8"]
   assert abs(rows["temoe_fp8"]["ratio"] - 1) <= GPU_TARGET

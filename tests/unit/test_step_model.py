@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import HANG_S, ROOT
 from temoe import hardware
 from temoe.deploy import doctor, env, hazards
 from temoe.tools import calibration, model_size, plan, step_model
@@ -190,7 +190,7 @@ def test_sweep_ranks_the_layouts_that_fit(capsys):
 
 def test_the_calibration_bench_runs_every_measurement_on_cpu(tmp_path):
   run = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate.py"), "--smoke", "--iters", "1", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                        str(tmp_path)], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-3000:]
   data = json.loads((tmp_path / "smoke.json").read_text())
   assert data["origin"] == "measured" and data["grouped_mlp"]["xla_bf16"]["smoke"]["layer_ms"] > 0
@@ -214,7 +214,7 @@ def close(a, b) -> bool:
 def regenerated(tmp_path_factory):
   out = tmp_path_factory.mktemp("check") / "step_model_check.json"
   run = subprocess.run([sys.executable, str(ROOT / "bench" / "step_model_check.py"), "--out", str(out)],
-                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+                       capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
   assert run.returncode == 0, run.stderr[-3000:]
   return json.loads(out.read_text())
 
