@@ -56,7 +56,7 @@ clean:
 IMAGE ?= temoe:dev
 BASE_IMAGE ?= ghcr.io/nvidia/jax:maxtext-2026-09-10
 BUILD_ARGS ?=  # e.g. --build-arg TE_VERSION=base, --build-arg TE_CUDA_MAJOR=12 (Dockerfile's header lists them)
-image:   # needs a Docker engine (none here or in CI); the build ends with `temoe doctor --image`
+image:   # needs a Docker engine (docker, or podman's Docker API: tests/image/engine.sh); the build ends with `temoe doctor --image`
 	docker build --build-arg BASE_IMAGE=$(BASE_IMAGE) --build-arg VCS_REF=$$(git rev-parse --short HEAD) $(BUILD_ARGS) -t $(IMAGE) .
 
 image-test: venv   # the image test alone: stand-in base, `make image` on it, doctor, plan, train, SIGTERM
