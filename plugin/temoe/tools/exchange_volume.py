@@ -11,7 +11,8 @@ all-to-all moves, a device's rows to itself included; the plan's all-gathers are
 Rows per hop (`rows_scale_out` / `rows_in_node`, one dispatch) split them at the node boundary
 (`node_size` ranks of the expert axis a node): a row leaves its node when its destination is on
 another one, which the routing model makes (ep - node) / ep of a device's rows (nodes - 1) / nodes of
-hier's relayed ones.
+hier's relayed ones. hier's `hops` split its volume per hop: the scale-out hop (to the relays, the plans'
+all-gathers with it) and the in-node hop (the relays' fan-out), which the step model prices one after the other.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class Volume:
   bytes_backward: float
   rows_scale_out: float = 0.0  # one dispatch: rows that leave the device's node (the return moves as many)
   rows_in_node: float = 0.0  # one dispatch: rows that stay in it (NVLink, or the device itself)
+  hops: tuple[Volume, ...] = ()  # hier: the scale-out hop's share, then the in-node hop's (they sum to this)
 
   @property
   def bytes(self) -> float:
@@ -79,12 +81,14 @@ def layer_volume(strategy: str, tokens: int, emb: int, top_k: int, ep_size: int,
     nodes = ep_size // node_size
     rows1, rows2 = tokens * distinct_nodes, tokens * distinct_ranks
     width1, width2 = min(top_k, node_size * local_experts), min(top_k, local_experts)
-    meta = rows1 * width1 + rows2 * width2
-    plan = ep_size * 3 * ep_size * 4 + ep_size * 2 * ep_size * 4
-    fwd = 2 * (rows1 + rows2) * row + meta * (4 + weight_bytes) + plan
-    bwd = 2 * (rows1 + rows2) * row + meta * weight_bytes
+    plan = ep_size * 3 * ep_size * 4 + ep_size * 2 * ep_size * 4  # both hops' plans gather over the whole axis
     out = rows1 * (nodes - 1) / nodes
-    return Volume(strategy, 2 * (rows1 + rows2), 2 * (rows1 + rows2), fwd, bwd, out, rows1 + rows2 - out)
+    hops = tuple(Volume(strategy, 2 * rows, 2 * rows, 2 * rows * row + rows * width * (4 + weight_bytes) + gathered,
+                        2 * rows * row + rows * width * weight_bytes, leave, rows - leave)
+                 for rows, width, gathered, leave in ((rows1, width1, plan, out), (rows2, width2, 0, 0.0)))
+    return Volume(strategy, *(sum(getattr(h, f) for h in hops) for f in ("rows_forward", "rows_backward",
+                                                                          "bytes_forward", "bytes_backward")),
+                  out, rows1 + rows2 - out, hops)
   if strategy == "dedup":
     rows, width = tokens * distinct_ranks, min(top_k, local_experts)
     meta = rows * width * (4 + weight_bytes)  # expert ids and weights, forward; weight grads back

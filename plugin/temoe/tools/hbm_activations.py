@@ -261,22 +261,44 @@ def exchange_bytes(config, s: Shapes, device_platform: str) -> float:
   """The expert-parallel exchange's buffers, there and back: each direction a send and a receive buffer
   (temoe.moe.exchange): a device sends its routed rows (dedup: one per token and destination rank); the
   ragged transport receives into its capacity, XLA:CPU's padded one keeps a slot of the send rows per
-  sender on both sides."""
+  sender on both sides. hier has two of each (`hier_rows`)."""
   from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
   from temoe.moe.exchange import dedup_plan  # pylint: disable=import-outside-toplevel
 
   if s.ep == 1:
     return 0.0
   top_k, local = config.num_experts_per_tok, config.num_experts // s.ep
-  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local)
+  node = int(getattr(config, "te_moe_ep_node_size", 8))
+  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local,
+                          node_size=node)
   routed = s.tokens * top_k
-  sent = dedup_plan.send_rows(s.tokens, top_k, s.ep) if name == "dedup" else routed
   capacity = exchange.receive_capacity(routed, s.ep, config.ragged_buffer_factor)
+  if name == "hier":
+    return 2 * sum(hier_rows(s.tokens, top_k, s.ep, local, node, capacity, device_platform)) * s.emb * s.act
+  sent = dedup_plan.send_rows(s.tokens, top_k, s.ep) if name == "dedup" else routed
   if device_platform == "cpu" or name == "padded":
     send = receive = sent * s.ep
   else:
     send, receive = sent, min(capacity, sent * s.ep)
   return 2 * (send + receive) * s.emb * s.act
+
+
+def hier_rows(tokens: int, top_k: int, ep: int, local: int, node: int, capacity: int,
+              device_platform: str) -> tuple[int, int, int, int]:
+  """Rows of hier's four exchange buffers (temoe.moe.exchange.hier.run, static shapes): the scale-out hop's send
+  (one per token and node it may reach), the relay's receive (its pair capacity, one row a pair at most), the
+  in-node hop's send (one per relayed row and rank of the node it may reach) and the expert rank's receive; the
+  combine moves the same rows back. XLA:CPU's padded transport sends and receives a slot of a hop's rows for
+  every device of the axis."""
+  from temoe.moe.exchange import dedup_plan  # pylint: disable=import-outside-toplevel
+
+  rows1 = dedup_plan.send_rows(tokens, top_k, ep // node)
+  if device_platform == "cpu":
+    rows2 = dedup_plan.send_rows(rows1 * ep, dedup_plan.slots(top_k, node * local), node)
+    return rows1 * ep, rows1 * ep, rows2 * ep, rows2 * ep
+  relay = min(capacity, rows1 * (ep // node))
+  rows2 = dedup_plan.send_rows(relay, dedup_plan.slots(top_k, node * local), node)
+  return rows1, relay, rows2, min(capacity, rows2 * node)
 
 
 def from_tokens(config, s: Shapes, backend: str, device_platform: str = "gpu") -> bool:
@@ -289,7 +311,8 @@ def from_tokens(config, s: Shapes, backend: str, device_platform: str = "gpu") -
   if not mosaic_tokens.applies_to(backend, str(config.te_gmm_quantization), bool(config.mlp_bias)):
     return False
   top_k, local = config.num_experts_per_tok, config.num_experts // s.ep
-  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local)
+  name = exchange.resolve(str(config.te_moe_exchange), s.ep, device_platform, top_k=top_k, local_experts=local,
+                          node_size=int(getattr(config, "te_moe_ep_node_size", 8)))
   return name in exchange.TOKENS_MLP
 
 

@@ -10,7 +10,8 @@ Per device and step:
   comms      expert all-to-all (the exchange strategy's volume, `temoe.tools.exchange_volume`), FSDP
              all-gathers and reduce-scatters, data-parallel all-reduce, tensor-parallel gathers, pipeline
              transfers, host offload; each over the link its group crosses: NVLink inside one domain,
-             the scale-out NIC across domains (devices in MaxText's hybrid-mesh order);
+             the scale-out NIC across domains (devices in MaxText's hybrid-mesh order); the hierarchical
+             exchange as its two all-to-alls one after the other (relays over the NIC, then NVLink);
   overlap    what the XLA flags in force allow (`OVERLAP_FLAGS`): FSDP collectives hide behind layer
              compute, the all-reduce behind the backward; the expert exchange never hides (each MoE
              layer waits for its rows);
@@ -525,7 +526,8 @@ def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 
   """The expert all-to-all of every MoE layer. It never hides in MaxText (each layer waits for its rows); a
   Megatron run with `overlap_moe_expert_parallel_comm` overlaps one microbatch's dispatch and combine with
   another's computation in the 1F1B schedule (Megatron-Core MoE docs, "EP communication overlap"), which hides
-  it behind `compute` on the passes the schedule pairs (`steady_share`)."""
+  it behind `compute` on the passes the schedule pairs (`steady_share`). The hierarchical exchange is two
+  all-to-alls one after the other (`hier_hops`)."""
   c = job.config
   ep = job.size(("expert",))
   if ep <= 1 or not moe_layers(c):
@@ -533,22 +535,60 @@ def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 
   from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
 
   local = c.num_experts // ep
+  node = exchange_volume.node_size_of(c)
   strategy = "ragged" if not c.te_moe_block else exchange.resolve(str(c.te_moe_exchange), ep, "gpu",
-                                                                   c.num_experts_per_tok, local)
-  distinct = exchange_volume.modelled_distinct_ranks(c.num_experts, c.num_experts_per_tok, ep, c.n_routing_groups,
-                                                     c.topk_routing_group)
-  volume = exchange_volume.layer_volume(strategy, tokens, c.emb_dim, c.num_experts_per_tok, ep, local, distinct)
-  sent = moe_layers(c) * (volume.bytes + share["gate_up"] * volume.bytes_forward / 2)  # dispatch again if recomputed
+                                                                   c.num_experts_per_tok, local, node_size=node)
+  groups = (c.n_routing_groups, c.topk_routing_group)
+  distinct = exchange_volume.modelled_distinct_ranks(c.num_experts, c.num_experts_per_tok, ep, *groups)
+  nodes = (exchange_volume.modelled_distinct_nodes(c.num_experts, c.num_experts_per_tok, ep, node, *groups)
+           if strategy == "hier" else None)
+  volume = exchange_volume.layer_volume(strategy, tokens, c.emb_dim, c.num_experts_per_tok, ep, local, distinct,
+                                        node_size=node, distinct_nodes=nodes)
   ranks, inside = group_links(job, ("expert",), gpu)
-  seconds, moved, link = all_to_all_seconds(sent, ranks, inside, gpu)
-  if job.megatron and job.megatron.overlap_expert_exchange:
-    paired = steady_share(job)
-    exposed = seconds * (1 - paired) + max(0.0, (seconds - compute) * paired)
-    return [Collective(f"expert all-to-all ({strategy})", moved, ranks, link, seconds, exposed,
-                       f"{distinct:.2f} ranks/token modelled; overlapped with another microbatch's compute "
-                       f"(overlap_moe_expert_parallel_comm) on {paired:.0%} of the passes")]
-  return [Collective(f"expert all-to-all ({strategy})", moved, ranks, link, seconds, seconds,
-                     f"{distinct:.2f} ranks/token modelled; never hidden: each MoE layer waits for its rows")]
+  if strategy == "hier":
+    parts = hier_hops(volume, ep, node, inside, gpu, moe_layers(c), share)
+    hop1, hop2 = volume.hops
+    notes = (f"{nodes:.2f} nodes/token modelled: {hop1.rows_forward / 2:,.0f} rows a dispatch to the relays (one a node), "
+             f"{hop1.rows_scale_out:,.0f} of them leave the node",
+             f"{distinct:.2f} ranks/token modelled: {hop2.rows_forward / 2:,.0f} rows a dispatch from the relays "
+             f"to their node's ranks")
+    names = ("hop 1", "hop 2")
+    parts = [(f"expert all-to-all ({strategy}) {name}", *part, note) for name, part, note in zip(names, parts, notes)]
+  else:
+    sent = moe_layers(c) * (volume.bytes + share["gate_up"] * volume.bytes_forward / 2)  # dispatch again if recomputed
+    parts = [(f"expert all-to-all ({strategy})", ranks, *all_to_all_seconds(sent, ranks, inside, gpu),
+              f"{distinct:.2f} ranks/token modelled")]
+  out = []
+  for name, group, seconds, moved, link, note in parts:
+    if job.megatron and job.megatron.overlap_expert_exchange:
+      paired = steady_share(job)
+      exposed = seconds * (1 - paired) + max(0.0, (seconds - compute) * paired)
+      out.append(Collective(name, moved, group, link, seconds, exposed,
+                            f"{note}; overlapped with another microbatch's compute "
+                            f"(overlap_moe_expert_parallel_comm) on {paired:.0%} of the passes"))
+    else:
+      out.append(Collective(name, moved, group, link, seconds, seconds,
+                            f"{note}; never hidden: each MoE layer waits for its rows"))
+  return out
+
+
+def hier_hops(volume: exchange_volume.Volume, ep: int, node: int, inside: int, gpu, layers: int,
+              share: dict) -> list[tuple[int, float, float, str]]:
+  """(ranks, seconds, network bytes, link) of each hop of the hierarchical exchange over all MoE layers, each an
+  all-to-all as `all_to_all_seconds` prices one: hop 1 among the `ep // node` relays of a device's local index
+  (one a node: the peers inside the device's NVLink domain, `inside` ranks of the expert axis, over NVLink, the
+  rest over the device's NIC), hop 2 among the `node` ranks of the node (over NVLink where the node is inside
+  the domain). Hop 2 starts on hop 1's rows (and the combine's hop 1 on hop 2's), so the hops add."""
+  node = min(node, ep)
+  groups = ((ep // node, max(inside // node, 1)), (node, min(node, inside)))
+  out = []
+  for hop, (ranks, in_domain) in zip(volume.hops, groups):
+    sent = layers * (hop.bytes + share["gate_up"] * hop.bytes_forward / 2)  # dispatch again if recomputed
+    seconds, moved, link = all_to_all_seconds(sent, ranks, in_domain, gpu)
+    if in_domain <= 1 and ranks > 1:
+      link = "scale-out"  # no peer of this hop shares the domain
+    out.append((ranks, seconds, moved, link))
+  return out
 
 
 def layer_weights(c, tp: int, ep: int) -> tuple[float, float]:
