@@ -118,4 +118,18 @@ def test_the_hbm_count_is_hier_runs_buffers(monkeypatch, moves, devices, node, l
   if moves is ragged:  # the brief's shapes: a token once per node, the relay's capacity, a relayed row per rank
     nodes = devices // node
     assert (send1, relay) == (TOKENS * min(top_k, nodes), min(capacity, send1 * nodes))
-    assert (send2, receive) == (relay * min(top_k, node), min(capacity, send2 * node))
+    assert (send2, receive) == (min(capacity, relay * min(top_k, node)), min(capacity, send2 * node))
+
+
+@pytest.mark.parametrize("moves", [ragged, padded], ids=["gpu", "cpu"])
+def test_the_in_node_hop_sends_at_most_the_relays_pair_capacity(monkeypatch, moves):
+  """Every hop-2 row carries a (token, expert) pair and a relay receives at most `capacity` of them, so the
+  relay's send buffer holds min(capacity, relayed rows x ranks a row may reach) rows, not the latter."""
+  devices, node, local, top_k, factor = 8, 4, 2, 3, 1.5
+  rows = traced_rows(monkeypatch, moves, devices, node, local, top_k, factor)
+  capacity = exchange.receive_capacity(TOKENS * top_k, devices, factor)
+  senders = devices if moves is padded else 1  # the padded transport keeps a slot per device of the axis
+  relayed = rows[1] // senders  # the relay's receive buffer: hop 2's input rows
+  uncapped = relayed * min(top_k, node)
+  assert capacity < uncapped  # the shape where the cap matters
+  assert rows[2] == min(capacity, uncapped) * senders

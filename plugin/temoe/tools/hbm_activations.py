@@ -287,17 +287,17 @@ def hier_rows(tokens: int, top_k: int, ep: int, local: int, node: int, capacity:
               device_platform: str) -> tuple[int, int, int, int]:
   """Rows of hier's four exchange buffers (temoe.moe.exchange.hier.run, static shapes): the scale-out hop's send
   (one per token and node it may reach), the relay's receive (its pair capacity, one row a pair at most), the
-  in-node hop's send (one per relayed row and rank of the node it may reach) and the expert rank's receive; the
-  combine moves the same rows back. XLA:CPU's padded transport sends and receives a slot of a hop's rows for
-  every device of the axis."""
-  from temoe.moe.exchange import dedup_plan  # pylint: disable=import-outside-toplevel
+  in-node hop's send (one per relayed row and rank of the node it may reach, capped at the relay's pair capacity:
+  `hier.hop2_rows`) and the expert rank's receive; the combine moves the same rows back. XLA:CPU's padded
+  transport sends and receives a slot of a hop's rows for every device of the axis."""
+  from temoe.moe.exchange import dedup_plan, hier  # pylint: disable=import-outside-toplevel
 
-  rows1 = dedup_plan.send_rows(tokens, top_k, ep // node)
+  rows1, width = dedup_plan.send_rows(tokens, top_k, ep // node), dedup_plan.slots(top_k, node * local)
   if device_platform == "cpu":
-    rows2 = dedup_plan.send_rows(rows1 * ep, dedup_plan.slots(top_k, node * local), node)
+    rows2 = hier.hop2_rows(capacity, rows1 * ep, width, node)
     return rows1 * ep, rows1 * ep, rows2 * ep, rows2 * ep
   relay = min(capacity, rows1 * (ep // node))
-  rows2 = dedup_plan.send_rows(relay, dedup_plan.slots(top_k, node * local), node)
+  rows2 = hier.hop2_rows(capacity, relay, width, node)
   return rows1, relay, rows2, min(capacity, rows2 * node)
 
 

@@ -52,12 +52,17 @@ class RankPlan:
   pairs_to: jax.Array
 
 
-def plan_ranks(expert_ids: jax.Array, local_experts: int, devices: int, valid: jax.Array | None = None) -> RankPlan:
+def plan_ranks(expert_ids: jax.Array, local_experts: int, devices: int, valid: jax.Array | None = None,
+               max_rows: int | None = None) -> RankPlan:
   """Plans my rows from `expert_ids` (tokens, top_k); experts [r * local_experts, ...) live on rank r.
   `valid` (tokens, top_k) bool, where given, marks the choices that exist (a relayed row's empty slots
-  do not): the others get no row, no slot and no pair."""
+  do not): the others get no row, no slot and no pair. `max_rows`, where given, caps the static row
+  count below `send_rows`; the caller guarantees its rows fit (a relay's: each row carries at least one
+  of its at most `capacity` valid pairs)."""
   tokens, top_k = expert_ids.shape
   rows, width = send_rows(tokens, top_k, devices), slots(top_k, local_experts)
+  if max_rows is not None:
+    rows = min(rows, max_rows)
   rank = expert_ids // local_experts
   if valid is not None:
     rank = jnp.where(valid, rank, devices)  # the never-sent group

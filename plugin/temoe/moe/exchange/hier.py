@@ -38,6 +38,13 @@ def hop_rows(moves: types.ModuleType, capacity: int, rows: int, senders: int) ->
   return min(capacity, rows * senders) if moves is ragged else rows * senders
 
 
+def hop2_rows(capacity: int, relayed: int, width: int, node: int) -> int:
+  """Rows of the in-node hop's send buffer: one per (relayed row, rank of the node) it may reach, but no more
+  than the relay's pair capacity, since every row carries a pair and hop 1 delivers at most `capacity` pairs
+  (`dedup_plan.from_counts` cuts a sender's rows to whole rows that fit)."""
+  return min(capacity, dedup_plan.send_rows(relayed, width, node))
+
+
 def _spread(counts: jax.Array, at: jax.Array, devices: int) -> jax.Array:
   """(devices,) int32: `counts` at ranks `at`, zero elsewhere (a hop sends to a subset of the axis)."""
   return jnp.zeros(devices, jnp.int32).at[at].set(counts.astype(jnp.int32), unique_indices=True)
@@ -62,10 +69,12 @@ def hop1(expert_ids, local: int, node: int, devices: int, axis, capacity: int):
 
 def hop2(relayed_ids, local: int, node: int, devices: int, axis, capacity: int):
   """The in-node hop's plan: the relay's rows, one per (relayed row, destination rank of its node), from
-  the relayed rows' node-local expert ids + 1 (0: an empty slot, no choice)."""
+  the relayed rows' node-local expert ids + 1 (0: an empty slot, no choice). At most `capacity` rows: each
+  carries at least one (token, expert) pair and a relay receives at most `capacity` pairs (`hop2_rows`)."""
   me = jax.lax.axis_index(axis)
   valid = relayed_ids > 0
-  rp = dedup_plan.plan_ranks(jnp.where(valid, relayed_ids - 1, 0), local, node, valid=valid)
+  rows = hop2_rows(capacity, relayed_ids.shape[0], relayed_ids.shape[1], node)
+  rp = dedup_plan.plan_ranks(jnp.where(valid, relayed_ids - 1, 0), local, node, valid=valid, max_rows=rows)
   ranks = me // node * node + jnp.arange(node, dtype=jnp.int32)
   ex = dedup_plan.plan_exchange(_spread(rp.rows_to, ranks, devices), _spread(rp.pairs_to, ranks, devices),
                                 axis, devices, capacity, rp.local_ids.shape[1])
