@@ -5,10 +5,11 @@ against the row-per-pair exchange and the one-device block, float32; on EP 8 als
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, when this file runs as a script
+import host_mesh  # noqa: E402  # pylint: disable=wrong-import-position
 
 TOL = 1e-5
 MESHES = ((4, 2, 1, 1), (2, 4, 2, 1), (1, 8, 4, 2))  # (fsdp, expert, ranks per node, chunks)
@@ -20,7 +21,6 @@ def compare() -> list[dict]:
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.sharding import PartitionSpec as P  # pylint: disable=import-outside-toplevel
 
-  from temoe.moe import block  # pylint: disable=import-outside-toplevel
   from temoe.moe.context import MoEContext  # pylint: disable=import-outside-toplevel
 
   experts, top_k, emb, ffn, batch, seq = 16, 4, 8, 4, 8, 8
@@ -35,47 +35,24 @@ def compare() -> list[dict]:
   wo = jnp.asarray(rng.standard_normal((experts, ffn, emb)) * 0.3, jnp.float32)
   cot = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
 
-  def run(ctx):
-    def loss(x, w, wi, wo):
-      out, stats = block.apply(ctx, x, ids, w, wi, wo)
-      return jnp.sum(out * cot), (out, stats)
-    (_, (out, stats)), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(x, w, wi, wo)
-    return out, grads, stats
-
-  def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
+  run = host_mesh.block_runner(ids, x, w, wi, wo, cot)
   base = {"num_experts": experts, "top_k": top_k, "dtype": jnp.float32}
-  ref_out, ref_grads, _ = run(MoEContext(**base))
+  reference = run(MoEContext(**base))
   reports = []
   for fsdp, ep, node, chunks in MESHES:
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(fsdp, ep), ("fsdp", "expert"))
     common = {**base, "mesh": mesh, "token_spec": P(("fsdp", "expert")), "ep_axis": "expert", "ep_size": ep}
-    h_out, h_grads, h_stats = run(MoEContext(**common, exchange="hier", ep_node_size=node, chunks=chunks))
-    p_out, p_grads, p_stats = run(MoEContext(**common, exchange="padded"))
-    reports.append({
-        "mesh": [fsdp, ep, node, chunks],
-        "vs_one_device": [rel(h_out, ref_out)] + [rel(a, b) for a, b in zip(h_grads, ref_grads)],
-        "vs_row_per_pair": [rel(h_out, p_out)] + [rel(a, b) for a, b in zip(h_grads, p_grads)],
-        "received": [int(h_stats["received"]), int(p_stats["received"])],
-        "overflow": bool(h_stats["overflow"]),
-    })
+    hier = run(MoEContext(**common, exchange="hier", ep_node_size=node, chunks=chunks))
+    row_per_pair = run(MoEContext(**common, exchange="padded"))
+    reports.append({"mesh": [fsdp, ep, node, chunks], **host_mesh.versus(hier, reference, row_per_pair)})
   return reports
 
 
 def test_hier_on_8_host_devices_matches_row_per_pair_and_one_device():
-  from conftest import HANG_S  # pylint: disable=import-outside-toplevel  (this file also runs as a script)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=HANG_S)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("HIER ")]
-  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  reports = json.loads(lines[0][5:])
+  reports = host_mesh.run_script(__file__, "HIER", 8)
   assert [r["mesh"] for r in reports] == [list(m) for m in MESHES]
-  for r in reports:
-    assert max(r["vs_one_device"]) < TOL and max(r["vs_row_per_pair"]) < TOL, r
-    assert r["received"][0] == r["received"][1] and not r["overflow"], r
+  host_mesh.check_versus(reports, TOL)
 
 
 if __name__ == "__main__":
-  print("HIER " + json.dumps(compare()), flush=True)
+  host_mesh.report("HIER", compare())

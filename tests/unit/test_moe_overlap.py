@@ -6,9 +6,7 @@ all-to-alls, nor they on it; on 4 host devices (one subprocess), dedup and hier 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import pathlib
 import sys
 
 import jax
@@ -19,6 +17,9 @@ import pytest
 from temoe.moe import block
 from temoe.moe.context import MoEContext
 from temoe.tools import overlap
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, when this file runs as a script
+import host_mesh  # noqa: E402  # pylint: disable=wrong-import-position
 
 TOL = 1e-5
 
@@ -137,12 +138,8 @@ def analyse() -> dict:
 
 
 def test_compiled_layer_leaves_the_exchange_free_to_overlap_the_gemms():
-  from conftest import HANG_S  # pylint: disable=import-outside-toplevel  (this file also runs as a script)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=HANG_S)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("OVERLAP ")]
-  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  for name, r in json.loads(lines[0][8:]).items():
+  result = host_mesh.run_script(__file__, "OVERLAP", 4)
+  for name, r in result.items():
     assert max(r["rel_chunked"]) < TOL, (name, r)
     assert min(r["counts"]) > 0, (name, r)  # both chunks' all-to-alls and GEMMs, and the shared expert's, found
     assert r["chunk0_exchange_feeds_its_gemms"] > 0, (name, r)  # the analysis sees a dependence where one is
@@ -151,4 +148,4 @@ def test_compiled_layer_leaves_the_exchange_free_to_overlap_the_gemms():
 
 
 if __name__ == "__main__":
-  print("OVERLAP " + json.dumps(analyse()), flush=True)
+  host_mesh.report("OVERLAP", analyse())
