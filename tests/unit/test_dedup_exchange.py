@@ -84,12 +84,13 @@ def reference_tokens_mlp(ctx, wi, wo, calls):
   return run
 
 
-def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, **kw):
+def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, context=None, **kw):
   """Loss, output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis
-  (with `tokens_calls` a list: through reference_tokens_mlp, recording its calls there)."""
+  (with `tokens_calls` a list: through reference_tokens_mlp, recording its calls there; `context`: more
+  MoEContext fields, e.g. the hierarchical exchange's ep_node_size)."""
   x, w, wi, wo, cot = args
   ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
-                   buffer_factor=factor, align=align)
+                   buffer_factor=factor, align=align, **(context or {}))
 
   def per_device(x, ids, w, wi, wo):
     mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))

@@ -6,16 +6,15 @@ transport (`ragged_all_to_all`) on the reference model of its semantics."""
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_dedup_exchange import EMB, FAST_COMPILE, TOKENS, assert_close, one_device, reference_ragged_all_to_all, setup
+from test_dedup_exchange import (EMB, TOKENS, assert_close, ep_run, one_device,
+                                 reference_ragged_all_to_all, setup)
 
-from temoe.moe import block, exchange
-from temoe.moe.context import MoEContext
+from temoe.moe import exchange
 from temoe.moe.exchange import hier, padded, ragged
 from temoe.tools import exchange_volume
 
@@ -44,22 +43,9 @@ def routing(seed, devices, local, top_k, kind):
 
 
 def hier_run(devices, node, local, top_k, ids, args, factor=0.0, align=1, strategy=hier, **kw):
-  x, w, wi, wo, cot = args
-  ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
-                   ep_node_size=node, buffer_factor=factor, align=align)
-
-  def per_device(x, ids, w, wi, wo):
-    mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))
-    return strategy.run(ctx, x, ids, w, mlp, **kw)
-
-  def loss(x, w, wi, wo):
-    out, stats = jax.vmap(per_device, axis_name="ep")(
-        x, ids, w, wi.reshape(devices, local, *wi.shape[1:]), wo.reshape(devices, local, *wo.shape[1:]))
-    return jnp.sum(out * cot), (out, stats)
-
-  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
-  (_, (out, stats)), grads = grad(x, w, wi, wo)
-  return out, stats, grads
+  """ep_run with nodes of `node` ranks (the hierarchical exchange by default)."""
+  return ep_run(strategy, devices, local, top_k, ids, args, factor=factor, align=align,
+                context={"ep_node_size": node}, **kw)
 
 
 def hop_rows(ids, devices, node, local, capacity):
