@@ -117,7 +117,41 @@ def diagnose(plat, environ: dict[str, str], seam_error: str | None, nccl: tuple[
     report.problems.append(seam_error)
   _profile(report, arch, environ)
   _hazards(report, plat, environ, nccl)
+  _mocked_network(report, environ)
   return report
+
+
+def mocked_processes(environ: dict[str, str]) -> int:
+  """How many processes JAX's GPU client mocks (JAX_MOCK_GPU_TOPOLOGY "<slices>x<hosts>x<devices>" or
+  MOCK_NUM_GPU_PROCESSES); 0 when the network is real. A malformed topology counts as mocked: JAX refuses it."""
+  topology = environ.get("JAX_MOCK_GPU_TOPOLOGY", "").replace(" ", "")
+  if topology:
+    try:
+      slices, hosts, _ = topology.split("x", 2)
+      return int(slices) * int(hosts)
+    except ValueError:
+      return -1
+  try:
+    return int(environ.get("MOCK_NUM_GPU_PROCESSES", "0") or 0)
+  except ValueError:
+    return -1
+
+
+def _mocked_network(report: Report, environ: dict[str, str]) -> None:
+  """Under JAX's mock GPU topology the process is one rank of a job with mocked NCCL (what bench/one_rank.py
+  measures), never a training run: say what that measurement can and cannot tell."""
+  n = mocked_processes(environ)
+  if not n:
+    return
+  what = environ.get("JAX_MOCK_GPU_TOPOLOGY") or f"MOCK_NUM_GPU_PROCESSES={environ.get('MOCK_NUM_GPU_PROCESSES')}"
+  report.lines.append(("network", f"mocked NCCL ({what}{f', {n} processes' if n > 0 else ', malformed'}): "
+                                  "one rank of the job runs here, collectives move no data"))
+  report.problems.append(
+      "JAX's mock GPU topology is set: this process is one rank of a mocked job, not a training run. A one-rank "
+      "measurement (bench/one_rank.py) tells the rank's compute at the job's real shapes, the compiled step's peak "
+      "HBM and which collectives the schedule runs async beside what compute; it cannot tell anything of the "
+      "network (bandwidth, NCCL's algorithms, stragglers, contention) nor a real exchange's routing counts. "
+      "Unset JAX_MOCK_GPU_TOPOLOGY and MOCK_NUM_GPU_PROCESSES to train.")
 
 
 def _hazards(report: Report, plat, environ: dict[str, str], nccl) -> None:
