@@ -19,6 +19,7 @@ rows (rounded to 128; the rows past the groups are spare):
 
 Writes OUT/mosaic_gemm.json (incrementally) and OUT/mosaic_gemm.png.
   PYTHONPATH=$PWD/plugin python3 bench/mosaic_gemm.py --out bench/results [--shapes dsv3,...] [--quick]
+  PYTHONPATH=$PWD/plugin python3 bench/mosaic_gemm.py --shapes dsv3 --scaling blockwise --variants --no-comparators
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ BLOCKWISE_CONFIGS = [
     TC(block_m=128, block_n=128, stages=6, compute_wgs=2, grid_block_n=8, epi_n=64, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=4, overlap=True),
     TC(block_m=128, block_n=128, stages=4, compute_wgs=2, grid_block_n=8, overlap=True),
+]
+# --variants (blockwise): today's kernel (k-blocks in overlapped pairs, and wait-then-promote) against
+# (a) the same with each k-block's first wgmma issued with scale-d = 0 (TileConfig.fresh: no zeroing of the
+# fresh accumulator) and (b) DeepGEMM's structure: wait, then promote with B's scales per column from shared
+# memory, read before the wait (col_scales), fresh accumulators, at 128, 160 and 192 columns (fp32 total and
+# accumulator: 2 x block_n / 2 registers a thread of the 232 a consumer warpgroup gets).
+BLOCKWISE_VARIANTS = [
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, fresh=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, fresh=True),
+    TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, fresh=True, col_scales=True),
+    TC(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=8, epi_n=32, fresh=True, col_scales=True),
+    TC(block_m=128, block_n=160, stages=4, compute_wgs=2, grid_block_n=8, epi_n=160, fresh=True, col_scales=True),
+    TC(block_m=128, block_n=192, stages=4, compute_wgs=2, grid_block_n=8, epi_n=64, fresh=True, col_scales=True),
 ]
 # bf16 ("none"): a 128-byte k-block is 64 elements, so a stage holds half the FP8 contraction; the
 # short-K shapes (the small model's 1024 / 512) have few k-blocks per tile, so smaller and deeper
@@ -561,6 +577,8 @@ def main() -> None:
   parser.add_argument("--quick", action="store_true", help=f"first {QUICK} configs per GEMM only")
   parser.add_argument("--max-configs", type=int, default=None, help="first N configs per GEMM only")
   parser.add_argument("--configs", default="", help="comma list of TileConfig names (TileConfig.name()) to keep")
+  parser.add_argument("--variants", action="store_true",
+                      help="with --scaling blockwise: sweep BLOCKWISE_VARIANTS (today's kernel, fresh, col_scales)")
   parser.add_argument("--no-comparators", action="store_true")
   parser.add_argument("--skip-te", action="store_true")
   parser.add_argument("--comparators", default="", help="comma list: mosaic_fp8,mosaic_bf16,te_grouped_fp8,"
@@ -568,6 +586,8 @@ def main() -> None:
   parser.add_argument("--interpret", action="store_true", help="CPU plumbing check: GPU interpret mode, 2 'SMs'")
   parser.add_argument("--plot-only", metavar="JSON", help="redraw the PNG of an existing mosaic_gemm.json")
   args = parser.parse_args()
+  if args.variants and args.scaling != "blockwise":
+    parser.error("--variants sweeps the block-scaled kernels' options: add --scaling blockwise")
   if args.plot_only:
     with open(args.plot_only, encoding="utf-8") as f:
       plot(json.load(f), os.path.join(os.path.dirname(args.plot_only), "mosaic_gemm.png"))
@@ -625,7 +645,7 @@ def run_shapes(args, result, json_path, pool, t_start):
     for g in [g for g in args.gemms.split(",") if g and g != "none"]:
       form = specs[g][0]
       if args.scaling == "blockwise":
-        configs = BLOCKWISE_CONFIGS
+        configs = BLOCKWISE_VARIANTS if args.variants else BLOCKWISE_CONFIGS
       elif args.scaling == "none":
         configs = BF16_CONFIGS
       else:

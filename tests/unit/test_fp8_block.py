@@ -240,6 +240,49 @@ def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap):
   assert rel(dw, ref) < 4e-3
 
 
+# Variant (b), the DeepGEMM structure: wait, then promote with B's scales per column from shared memory,
+# fresh accumulators (scale-d = 0 once lowered; the same math here), 160-wide tiles. On a tiny problem: 384
+# rows (experts of 128, 0 and 128 rows, a spare tile), 2 k-blocks, 320 columns in two tiles, [0, 160) and
+# [160, 320), each straddling two 128-wide weight blocks.
+DEEPGEMM = mz.TileConfig(block_m=128, block_n=160, stages=2, compute_wgs=2, grid_block_n=2, epi_n=32, fresh=True,
+                         col_scales=True)
+SMALL = np.array([128, 0, 128], np.int32)
+
+
+def test_deepgemm_structure_rows_kernel_matches_the_numpy_model():
+  rng = np.random.default_rng(6)
+  x = operand(rng, (384, 256)).at[256:].set(0)
+  w = operand(rng, (3, 256, 320), spread=1.0)  # weight blocks of different ranges, so a wrong column's scale shows
+  xq, sx, _, _ = fb.quantize_both(x, impl="xla")
+  _, wqt, sw = fb.quantize_weights(w, impl="xla")
+  poison = jnp.full((384, 320), jnp.nan, jnp.bfloat16)
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    y = jax.jit(lambda a, b, sa, sb: mz.ragged_rows_matmul(a, b, jnp.asarray(SMALL), config=DEEPGEMM, sms=2, out=poison,
+                                                           block_scales=(sa, sb)))(xq, wqt, sx, sw)
+  y = f32(y)
+  xd, wd = deq_rows(*np_quantize_rows(f32(x))), deq_weights(*np_quantize_weights(f32(w)))
+  ref = np.concatenate([xd[:128] @ wd[0], xd[128:256] @ wd[2], np.zeros((128, 320), np.float32)])
+  assert np.isfinite(y).all() and not y[256:].any()
+  assert rel(y, ref) < 4e-3
+
+
+def test_deepgemm_structure_contract_kernel_matches_the_numpy_model():
+  rng = np.random.default_rng(7)
+  x = operand(rng, (384, 256)).at[256:].set(0)
+  dy = jnp.asarray(rng.standard_normal((384, 320)), jnp.bfloat16).at[256:].set(0)
+  _, _, xqt, sxt = fb.quantize_both(x, impl="xla")
+  _, _, dqt, sdt = fb.quantize_both(dy, impl="xla")
+  poison = jnp.full((3, 256, 320), jnp.nan, jnp.bfloat16)
+  with plgpu.force_gpu_interpret_mode(INTERPRET):
+    dw = jax.jit(lambda a, b, sa, sb: mz.ragged_contract_matmul(a, b, jnp.asarray(SMALL), config=DEEPGEMM, sms=2,
+                                                                out=poison, block_scales=(sa, sb)))(xqt, dqt, sxt, sdt)
+  dw = f32(dw)
+  xtd, dtd = deq_rows(*np_quantize_rows(f32(x).T)), deq_rows(*np_quantize_rows(f32(dy).T))
+  ref = np.stack([xtd[:, :128] @ dtd[:, :128].T, np.zeros((256, 320), np.float32), xtd[:, 128:256] @ dtd[:, 128:256].T])
+  assert np.isfinite(dw).all() and not dw[1].any()
+  assert rel(dw, ref) < 4e-3
+
+
 @pytest.mark.parametrize("m, k, n", [
     (600, 208, 160),  # K, N multiples of 16 only: the copies are padded to 256 x 256, the outputs sliced
     (ROWS, 192, 320),  # whole 64s: copies padded to 256 x 384, outputs written at 192 and 320 (stores clipped)

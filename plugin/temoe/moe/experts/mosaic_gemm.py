@@ -48,6 +48,7 @@ shapes there (slowly; performance only on the GPU).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -58,7 +59,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from temoe import recipes
-from temoe.moe.experts import fp8_block, fp8_quant, parts
+from temoe.moe.experts import fp8_block, fp8_quant, parts, wgmma_fresh
 
 ROW_ALIGNMENT = 128  # groups padded to multiples of this; tiles never straddle two experts
 
@@ -83,7 +84,12 @@ class TileConfig:
   the TMA ring; grid_block_n the raster band width in column tiles; epi_n the epilogue's column
   chunk (None: min(block_n, 128)); promote > 0 flushes the wgmma accumulator into an fp32 register
   sum every `promote` k-blocks; overlap (block-scaled kernels) issues k-blocks in pairs into two
-  accumulators, promoting the first while the second's wgmma runs."""
+  accumulators, promoting the first while the second's wgmma runs; fresh (block-scaled kernels)
+  issues each k-block's first wgmma with PTX scale-d = 0, so its fresh accumulator is not zeroed first
+  (wgmma_fresh); col_scales (block-scaled kernels) reads B's scales per output column from shared
+  memory, TMA'd with each stage (the rows form's 128 x 128 weight scales expanded per column, so a tile
+  may straddle two weight blocks: block_n 160), loads them before the wgmma wait and promotes as
+  total + part * (s_a s_b): DeepSeek's DeepGEMM structure with wait-then-promote (overlap off)."""
 
   block_m: int = 128
   block_n: int = 256
@@ -94,6 +100,8 @@ class TileConfig:
   epi_n: int | None = None
   promote: int = 0
   overlap: bool = False
+  fresh: bool = False
+  col_scales: bool = False
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -103,6 +111,10 @@ class TileConfig:
       s += f"p{self.promote}"
     if self.overlap:
       s += "o"
+    if self.fresh:
+      s += "f"
+    if self.col_scales:
+      s += "c"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -256,8 +268,9 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
     problems.append(f"block_m={cfg.block_m} must divide ROW_ALIGNMENT={ROW_ALIGNMENT}")
   if form == "contract" and ROW_ALIGNMENT % bk:
     problems.append(f"block_k={bk} must divide ROW_ALIGNMENT={ROW_ALIGNMENT} for the wgrad form")
-  if cfg.block_n % 64 or cfg.block_n > 256:
-    problems.append(f"block_n={cfg.block_n} must be a multiple of 64 and <= 256")
+  n_step = 32 if block_scaled and cfg.col_scales else 64  # per-column scales: 160-wide tiles
+  if cfg.block_n % n_step or cfg.block_n > 256:
+    problems.append(f"block_n={cfg.block_n} must be a multiple of {n_step} and <= 256")
   epi = cfg.resolved_epi_n()
   if cfg.block_n % epi or epi % 32:
     problems.append(f"epi_n={epi} must divide block_n={cfg.block_n}")
@@ -278,17 +291,24 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
     problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled)} bytes of SMEM > {_SMEM_BYTES}")
   if cfg.stages < 2:
     problems.append("stages must be >= 2")
+  if not block_scaled and (cfg.fresh or cfg.col_scales):
+    problems.append("fresh and col_scales are options of the block-scaled kernels")
   if block_scaled:
     if jnp.dtype(a_dtype) not in _FP8 or jnp.dtype(b_dtype) not in _FP8:
       problems.append("block scaling needs FP8 operands")
     if bk != 128:
       problems.append(f"block scaling needs block_k=128 (one scale per 128 of K), got {bk}")
-    if form == "rows" and 128 % cfg.block_n:
-      problems.append(f"block scaling needs a block_n dividing 128 (a tile inside one 128-wide weight block), got {cfg.block_n}")
+    if form == "rows" and 128 % cfg.block_n and not cfg.col_scales:
+      problems.append(f"block scaling needs a block_n dividing 128 (a tile inside one 128-wide weight block), got "
+                      f"{cfg.block_n}; col_scales=True takes any")
+    if cfg.fresh and (why := wgmma_fresh.unavailable()):
+      problems.append(f"fresh {why}")
     if cfg.promote:
       problems.append("block scaling promotes every k-block already (promote must be 0)")
     if cfg.overlap and cfg.stages < 2:
       problems.append("overlap needs two stages in flight")
+    if cfg.overlap and cfg.col_scales:
+      problems.append("col_scales waits, then promotes (overlap must be off)")
   if problems:
     raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
 
@@ -413,12 +433,15 @@ def _grouped_kernel(
   # "cr" A tiles are split per compute warpgroup (one TMA each): no slicing of the swizzled dim.
   a_copies = 1 if a_rc else C
   a_smem_shape = (S, bm, bk) if a_rc else (S, C, bk, wm)
-  copies_per_stage = a_copies + 1 + (block_scaled + (block_scaled and form == "contract"))
+  col_scales = block_scaled and (form == "contract" or cfg.col_scales)  # B's scales per column, per stage
+  copies_per_stage = a_copies + 1 + block_scaled + col_scales
   scale_smem = {}
   if block_scaled:
     scale_smem["sa_smem"] = plgpu.SMEM((S, bm), jnp.float32)
-    if form == "contract":
+    if col_scales:
       scale_smem["sb_smem"] = plgpu.SMEM((S, bn), jnp.float32)
+  if cfg.fresh:
+    wgmma_fresh.install()  # marked wgmmas (fresh accumulators) lower with scale-d = 0
 
   def tile_info(t, sched_refs):
     """(group, a_row0, b_row0, k_block0, num_k_blocks, out_row0, out_col0) of output tile t."""
@@ -496,8 +519,9 @@ def _grouped_kernel(
             plgpu.copy_gmem_to_smem(bsl, b_smem.at[slot], produced.at[slot])
             if block_scaled:
               plgpu.copy_gmem_to_smem(sa_gmem.at[k0 + kk, pl.ds(a_row0, bm)], sa_smem.at[slot], produced.at[slot])
-              if form == "contract":
-                plgpu.copy_gmem_to_smem(sb_gmem.at[k0 + kk, pl.ds(b_row0, bn)], sb_smem.at[slot], produced.at[slot])
+              if col_scales:
+                sb_src = sb_gmem.at[k0 + kk] if form == "contract" else sb_gmem.at[g, kk]
+                plgpu.copy_gmem_to_smem(sb_src.at[pl.ds(b_row0, bn)], sb_smem.at[slot], produced.at[slot])
             return step + 1
 
           return lax.fori_loop(0, nk, k_loop, step)
@@ -515,13 +539,14 @@ def _grouped_kernel(
       def _consumer():
         plgpu.set_max_registers(232 if C > 1 else 256, action="increase")
 
-        def mma(acc, slot):
+        def mma(acc, slot, fresh=False):
           if a_rc:
             a_op = a_smem.at[slot, pl.ds(wg * wm, wm)]
           else:
             a_op = a_smem.at[slot, wg].T
           b_op = b_smem.at[slot].T if b_rc else b_smem.at[slot]
-          plgpu.wgmma(acc, a_op, b_op)
+          with wgmma_fresh.fresh() if fresh else contextlib.nullcontext():
+            plgpu.wgmma(acc, a_op, b_op)
 
         def k_loop(kk, step, lo, acc):
           slot = lax.rem(step, S)
@@ -550,9 +575,22 @@ def _grouped_kernel(
           plgpu.barrier_arrive(consumed.at[slot])
           return total + part
 
+        def column_scales(slot):
+          """col_scales: the k-block's scales of A's rows and B's columns, read before the wgmma wait."""
+          sa = plgpu.load(sa_smem.at[slot, pl.ds(wg * wm, wm)], layout=plgpu.Layout.WGMMA.reduce(1))
+          sbv = plgpu.load(sb_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+          return sa, sbv
+
+        def promote_columns(total, part, slot, sa, sbv):
+          """total + part * (s_a s_b): one multiply and one FMA per element; then the slot goes back."""
+          scale = lax.broadcast_in_dim(sa, (wm, bn), [0]) * lax.broadcast_in_dim(sbv, (wm, bn), [1])
+          plgpu.commit_smem()  # the scales' generic-proxy reads before the producer's next TMA (see promote)
+          plgpu.barrier_arrive(consumed.at[slot])
+          return total + part * scale
+
         def weight_scale(g, kk, b_row0):
           # the rows form's 128 x 128 weight block scale (a GMEM scalar, loaded ahead of its use)
-          return sb_gmem[g, kk, b_row0 // 128] if form == "rows" else None
+          return sb_gmem[g, kk, b_row0 // 128] if form == "rows" and not col_scales else None
 
         def block_scaled_k_loop(kk, carry, g, b_row0):
           """One k-block into a fresh accumulator, waited for, then promoted."""
@@ -561,8 +599,17 @@ def _grouped_kernel(
           sb = weight_scale(g, kk, b_row0)
           plgpu.barrier_wait(produced.at[slot])
 
+          if cfg.col_scales:
+            def acc_scope(acc):
+              mma(acc, slot, cfg.fresh)
+              sa, sbv = column_scales(slot)
+              return acc[...], sa, sbv
+
+            part, sa, sbv = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
+            return step + 1, promote_columns(total, part, slot, sa, sbv)
+
           def acc_scope(acc):
-            mma(acc, slot)
+            mma(acc, slot, cfg.fresh)
             return acc[...]
 
           part = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
@@ -577,9 +624,9 @@ def _grouped_kernel(
 
           def accs_scope(a0, a1):
             plgpu.barrier_wait(produced.at[s0])
-            mma(a0, s0)
+            mma(a0, s0, cfg.fresh)
             plgpu.barrier_wait(produced.at[s1])
-            mma(a1, s1)
+            mma(a1, s1, cfg.fresh)
             t = promote(total, plgpu.wgmma_accumulator_load(a0, wait_n=1), s0, sb0)
             return promote(t, a1[...], s1, sb1)
 
@@ -721,6 +768,8 @@ def ragged_rows_matmul(
     kb, nb = -(-c // 128), -(-b_cols // 128)
     if sa.shape != (kb, m) or sb.shape != (g, kb, nb):
       raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(kb, m)}, {(g, kb, nb)}")
+    if cfg.col_scales:  # one scale per column of B, TMA'd with each stage: (G, k-blocks, B's columns)
+      sb = jnp.repeat(sb, 128, axis=2)[:, :, :b_cols]
     extra = (sa, sb)
   kern = _grouped_kernel(
       form="rows", a_shape=a.shape, b_shape=b.shape, a_rc=True, b_rc=b_contract_minor,
