@@ -44,6 +44,7 @@ class Estimate:
   resident: tuple[Part, ...]  # each at its largest during the step
   layers: tuple[Part, ...]  # one per phase: what it holds beyond the resident rows, net
   host: float  # bytes MaxText places in host memory (offloaded state)
+  state: object = dataclasses.field(default=None, repr=False, compare=False)  # the abstract train state it read
 
   @property
   def transient(self) -> Part:
@@ -190,10 +191,26 @@ def gib(n: float) -> str:
   return f"{n / GIB:.2f}"
 
 
-def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estimate:
+def retarget(state, mesh):
+  """`state`'s leaves sharded as they are (the same PartitionSpecs) over another mesh of the same axis names: what
+  MaxText builds for another layout of one config, whose logical axis rules do not change with the axes' sizes
+  (`temoe plan --sweep` builds the state once per family of layouts; tests/unit/test_sweep.py checks it against
+  a state built for each layout)."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  def leaf(x):
+    s = x.sharding
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, s.spec, memory_kind=getattr(s, "memory_kind", None)))
+
+  return jax.tree.map(leaf, state)
+
+
+def estimate(config, mesh, backend: str, device_platform: str = "gpu", state=None) -> Estimate:
   """The estimate for `config` on `mesh` (a jax Mesh or AbstractMesh) with MoE backend `backend`:
-  temoe's `te`, `mosaic` or `xla`, or `gmm` (MaxText's own MoE on a grouped-GEMM kernel: no dense expansion)."""
-  state = abstract_state(config, mesh)
+  temoe's `te`, `mosaic` or `xla`, or `gmm` (MaxText's own MoE on a grouped-GEMM kernel: no dense expansion);
+  `state`: MaxText's abstract train state for this config and mesh where it is already built."""
+  state = abstract_state(config, mesh) if state is None else state
   resident, sums = state_parts(state, config, backend)
   s = shapes(config, mesh)
   moe = model_size.layers(config).moe > 0
@@ -230,4 +247,4 @@ def estimate(config, mesh, backend: str, device_platform: str = "gpu") -> Estima
                      f"not computed yet (all but the head's) {gib(not_yet['loss'])}"))
   phases.append(Part("optimizer step", -(sum(copies.values()) + saved.dense + saved.moe),
                      "every gradient; no activations, no layer-major copies"))
-  return Estimate(tuple(resident), tuple(phases), sums["host"])
+  return Estimate(tuple(resident), tuple(phases), sums["host"], state)

@@ -323,7 +323,21 @@ def operand_bytes(config, backend: str) -> float:
 
 
 def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> tuple[float, str]:
-  """One MoE layer's backward, bytes per device beyond what it saved: its largest step (note says which).
+  """One MoE layer's backward, bytes per device beyond what it saved (`chunk_layer`). With te_moe_chunks=C the
+  block runs C chunks of tokens / C, each with its own dispatch buffers, capacity and exchange (padded per expert
+  each): every chunk's buffers are counted live at once (the unrolled chunks leave XLA's scheduler free to keep
+  them all), the router's scores once."""
+  chunks = max(int(getattr(config, "te_moe_chunks", 1) or 1), 1)
+  router = s.tokens * config.num_experts * 4 * 3  # float32 scores, probabilities and their gradient
+  if chunks == 1 or s.tokens % chunks:
+    part, note = chunk_layer(config, s, backend, device_platform)
+    return router + part, note
+  part, note = chunk_layer(config, dataclasses.replace(s, tokens=s.tokens // chunks), backend, device_platform)
+  return router + chunks * part, f"{chunks} chunks of {note}"
+
+
+def chunk_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> tuple[float, str]:
+  """The routed block's share of a MoE layer's backward on `s.tokens` tokens: its largest step (note says which).
 
   Steps, per buffer row (e = emb, m = expert ffn, a = activation bytes, q = a quantized copy's bytes):
   recompute of gate/up: dispatched rows (e*a), their quantized copy both ways (2e*q), gate|up output
@@ -372,7 +386,7 @@ def moe_layer(config, s: Shapes, backend: str, device_platform: str = "gpu") -> 
       "gate/up GEMM backward": rows * (x_res + 2 * m * a + 4 * m * q + e * a) + up_w,
   }
   step, biggest = max(steps.items(), key=lambda kv: kv[1])
-  always = s.tokens * c.num_experts * 4 * 3 + 4 * (3 * routed + rows)  # router scores, dispatch maps
+  always = 4 * (3 * routed + rows)  # dispatch maps
   always += exchange_bytes(c, s, device_platform)
   if backend == "xla":
     always += xla_ragged_dot_bytes(rows, local, e, m, a) + 2 * (wi + wo) * a

@@ -26,8 +26,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   parser.add_argument("--devices", type=int, help="devices of the run (default: the config's explicit mesh, or here)")
   parser.add_argument("--slices", type=int, help="slices of the run (MaxText's num_slices; a GPU node is one)")
   parser.add_argument("--gpu", choices=sorted(hardware.GPUS), default="h200", help="target GPU when this host has none")
-  parser.add_argument("--sweep", action="store_true", help="plan every expert/FSDP/data layout of --devices and "
-                      "--slices and rank those that fit by predicted tokens/s (temoe.tools.sweep)")
+  parser.add_argument("--sweep", action="store_true", help="plan every layout of --devices and --slices (tensor, "
+                      "pipeline, expert, FSDP, data parallelism; exchange, chunks) and rank those that fit by predicted "
+                      "tokens/s (temoe.tools.sweep)")
   args, rest = parser.parse_known_args(argv)
   bad = [a for a in rest if "=" not in a or a.startswith("-")]
   if bad:
