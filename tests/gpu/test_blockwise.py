@@ -5,7 +5,9 @@ Same loads and poisoning as tests/gpu/test_mosaic_kernels.py (random, skewed, em
 expert takes all; outputs written into NaN-filled buffers; spare rows NaN where a kernel must not read):
 
 * the forward/dgrad and wgrad kernels with block scales against float32 math on exactly the operand
-  values they are given (the recipe's numpy model: dequantised E4M3 times its block scales);
+  values they are given (the recipe's numpy model: dequantised E4M3 times its block scales), by default
+  and in the kernel options measured against it (VARIANTS: fresh accumulators issued with scale-d = 0,
+  and DeepGEMM's structure on 160-wide tiles);
 * the Triton quantizers against the XLA expression of the same math (scales bit-equal; FP8 values
   equal but for rare one-step roundings, since the division is the GPU's), the gathering one too;
 * the MLP from tokens with dispatch's gather and combine's backward fused into the quantizers
@@ -43,15 +45,22 @@ from test_mosaic_kernels import (  # the shared problem set of the Hopper kernel
 from temoe.moe.experts import mosaic_gemm as mz
 
 FWD_BOUND, GRAD_BOUND = recipes.REGISTRY["te_fp8_blockwise"].error_bound
+VARIANTS = {
+    "default": None,
+    "fresh": mz.TileConfig(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, fresh=True),
+    "deepgemm160": mz.TileConfig(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=8, epi_n=32, fresh=True,
+                                 col_scales=True),
+}
 
 
 def deq_rows(q, s):
   return f32(fb.dequantize_rows(q, s))
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", LOADS)
 @pytest.mark.parametrize("gemm", ["fwd", "dgrad"])
-def test_block_scaled_rows_kernel(kind, gemm, record_property):
+def test_block_scaled_rows_kernel(kind, gemm, variant, record_property):
   x, w, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   a_src = x if gemm == "fwd" else cot.astype(jnp.bfloat16)
@@ -62,19 +71,20 @@ def test_block_scaled_rows_kernel(kind, gemm, record_property):
   bv = wv if gemm == "fwd" else wv.transpose(0, 2, 1)  # (G, C, Nout)
   aq = nan_spare(aq, used)
   poison = jnp.full((ROWS, b.shape[1]), jnp.nan, jnp.bfloat16)
-  y = f32(rows_kernel(aq, b, sizes, out=poison, block_scales=(sa, sb)))
+  y = f32(rows_kernel(aq, b, sizes, out=poison, block_scales=(sa, sb), config=VARIANTS[variant]))
   ref = np.zeros_like(y)
   per_group(sizes, lambda g, r: ref.__setitem__(r, av[r] @ bv[g]))
   assert np.isfinite(y).all(), "NaN in the output: an unwritten element or a read of a spare row"
   assert not y[used:].any(), "spare rows must be exactly zero"
   err = rel(y, ref)
-  print(f"block-scaled ragged_rows {gemm} {kind}: rel. error vs the recipe's float32 model {err:.2e}")
+  print(f"block-scaled ragged_rows {gemm} {kind} {variant}: rel. error vs the recipe's float32 model {err:.2e}")
   record_property("rel_err", err)
   assert err < KERNEL_TOL
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("kind", LOADS)
-def test_block_scaled_contract_kernel(kind, record_property):
+def test_block_scaled_contract_kernel(kind, variant, record_property):
   x, _, sizes, _, cot = make_problem(kind)
   used = int(sizes.sum())
   _, _, xqt, sxt = fb.quantize_both(x)
@@ -82,14 +92,14 @@ def test_block_scaled_contract_kernel(kind, record_property):
   av, bv = deq_rows(xqt, sxt), deq_rows(dqt, sdt)  # (K, T), (N, T)
   poison = jnp.full((G, K, N), jnp.nan, jnp.bfloat16)
   dw = f32(contract_kernel(nan_spare(xqt, used, axis=1), nan_spare(dqt, used, axis=1), sizes, out=poison,
-                           block_scales=(sxt, sdt)))
+                           block_scales=(sxt, sdt), config=VARIANTS[variant]))
   ref = np.zeros_like(dw)
   per_group(sizes, lambda g, r: ref.__setitem__(g, av[:, r] @ bv[:, r].T))
   assert np.isfinite(dw).all()
   empty = np.flatnonzero(np.asarray(sizes) == 0)
   assert not dw[empty].any(), f"dw of empty experts {empty} must be exactly zero"
   err = rel(dw, ref)
-  print(f"block-scaled ragged_contract wgrad {kind}: rel. error vs the recipe's float32 model {err:.2e}")
+  print(f"block-scaled ragged_contract wgrad {kind} {variant}: rel. error vs the recipe's float32 model {err:.2e}")
   record_property("rel_err", err)
   assert err < KERNEL_TOL
 
