@@ -7,7 +7,7 @@ expert takes all; outputs written into NaN-filled buffers; spare rows NaN where 
 * the forward/dgrad and wgrad kernels with block scales against float32 math on exactly the operand
   values they are given (the recipe's numpy model: dequantised E4M3 times its block scales), by default
   and in the kernel options measured against it (VARIANTS: fresh accumulators issued with scale-d = 0,
-  and DeepGEMM's structure on 160-wide tiles);
+  and DeepGEMM's structure on 160-wide tiles, its scales through shared or global memory);
 * the Triton quantizers against the XLA expression of the same math (scales bit-equal; FP8 values
   equal but for rare one-step roundings, since the division is the GPU's), the gathering one too;
 * the MLP from tokens with dispatch's gather and combine's backward fused into the quantizers
@@ -50,6 +50,8 @@ VARIANTS = {
     "fresh": mz.TileConfig(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True, fresh=True),
     "deepgemm160": mz.TileConfig(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=8, epi_n=32, fresh=True,
                                  col_scales=True),
+    "deepgemm160_gmem_scales": mz.TileConfig(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=8, epi_n=32,
+                                             fresh=True, col_scales=True, gmem_scales=True),
 }
 
 

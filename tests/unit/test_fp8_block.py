@@ -5,8 +5,9 @@
   partial blocks at the ends, saturation);
 * the Triton quantizers (Pallas' generic interpreter) against the XLA expression: scales and
   power-of-two quantization bit for bit, fp32-scaled values but for rare one-step roundings;
-* the block-scaled kernels (forward/dgrad and wgrad forms, with and without `overlap`) in Pallas' GPU
-  interpret mode against the numpy model, into NaN-poisoned outputs, with race detection;
+* the block-scaled kernels (forward/dgrad and wgrad forms, with and without `overlap`, and the options
+  measured against them: 160-wide tiles with per-column scales, scales read from global memory) in
+  Pallas' GPU interpret mode against the numpy model, into NaN-poisoned outputs, with race detection;
 * grouped_matmul(scaling="blockwise") forward and gradients against the numpy model on dims that are
   not multiples of 128;
 * every scaling's fwd + bwd lowers for sm_90 ahead of time on CPU (layout inference, TMA tiling), on
@@ -240,45 +241,55 @@ def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap):
   assert rel(dw, ref) < 4e-3
 
 
-# Variant (b), the DeepGEMM structure: wait, then promote with B's scales per column from shared memory,
-# fresh accumulators (scale-d = 0 once lowered; the same math here), 160-wide tiles. On a tiny problem: 384
-# rows (experts of 128, 0 and 128 rows, a spare tile), 2 k-blocks, 320 columns in two tiles, [0, 160) and
-# [160, 320), each straddling two 128-wide weight blocks.
+# The kernel options measured against today's (bench/mosaic_gemm.py --variants), on a tiny problem: 384 rows
+# (experts of 128, 0 and 128 rows, a spare tile), 2 k-blocks, 288 columns: 160-wide tiles [0, 160) and
+# [160, 320) each straddle two 128-wide weight blocks, and the second runs past the last column. Variant (b),
+# the DeepGEMM structure: wait, then promote with B's scales per column (col_scales), fresh accumulators
+# (scale-d = 0 once lowered; the same math here); with gmem_scales the scales come from global memory.
 DEEPGEMM = mz.TileConfig(block_m=128, block_n=160, stages=2, compute_wgs=2, grid_block_n=2, epi_n=32, fresh=True,
                          col_scales=True)
+VARIANTS = {
+    "deepgemm160": DEEPGEMM,
+    "deepgemm160_gmem_scales": dataclasses.replace(DEEPGEMM, gmem_scales=True),
+    "fresh128_gmem_scales": dataclasses.replace(CFG, stages=2, epi_n=32, fresh=True, gmem_scales=True),  # a tile: one weight scale
+}
 SMALL = np.array([128, 0, 128], np.int32)
 
 
-def test_deepgemm_structure_rows_kernel_matches_the_numpy_model():
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_kernel_options_rows_kernel_matches_the_numpy_model(variant):
   rng = np.random.default_rng(6)
   x = operand(rng, (384, 256)).at[256:].set(0)
-  w = operand(rng, (3, 256, 320), spread=1.0)  # weight blocks of different ranges, so a wrong column's scale shows
+  w = operand(rng, (3, 256, 288), spread=1.0)  # weight blocks of different ranges, so a wrong column's scale shows
   xq, sx, _, _ = fb.quantize_both(x, impl="xla")
   _, wqt, sw = fb.quantize_weights(w, impl="xla")
-  poison = jnp.full((384, 320), jnp.nan, jnp.bfloat16)
+  poison = jnp.full((384, 288), jnp.nan, jnp.bfloat16)
+  cfg = VARIANTS[variant]
   with plgpu.force_gpu_interpret_mode(INTERPRET):
-    y = jax.jit(lambda a, b, sa, sb: mz.ragged_rows_matmul(a, b, jnp.asarray(SMALL), config=DEEPGEMM, sms=2, out=poison,
+    y = jax.jit(lambda a, b, sa, sb: mz.ragged_rows_matmul(a, b, jnp.asarray(SMALL), config=cfg, sms=2, out=poison,
                                                            block_scales=(sa, sb)))(xq, wqt, sx, sw)
   y = f32(y)
   xd, wd = deq_rows(*np_quantize_rows(f32(x))), deq_weights(*np_quantize_weights(f32(w)))
-  ref = np.concatenate([xd[:128] @ wd[0], xd[128:256] @ wd[2], np.zeros((128, 320), np.float32)])
+  ref = np.concatenate([xd[:128] @ wd[0], xd[128:256] @ wd[2], np.zeros((128, 288), np.float32)])
   assert np.isfinite(y).all() and not y[256:].any()
   assert rel(y, ref) < 4e-3
 
 
-def test_deepgemm_structure_contract_kernel_matches_the_numpy_model():
+@pytest.mark.parametrize("variant", ["deepgemm160", "deepgemm160_gmem_scales"])
+def test_kernel_options_contract_kernel_matches_the_numpy_model(variant):
   rng = np.random.default_rng(7)
   x = operand(rng, (384, 256)).at[256:].set(0)
-  dy = jnp.asarray(rng.standard_normal((384, 320)), jnp.bfloat16).at[256:].set(0)
+  dy = jnp.asarray(rng.standard_normal((384, 288)), jnp.bfloat16).at[256:].set(0)
   _, _, xqt, sxt = fb.quantize_both(x, impl="xla")
   _, _, dqt, sdt = fb.quantize_both(dy, impl="xla")
-  poison = jnp.full((3, 256, 320), jnp.nan, jnp.bfloat16)
+  poison = jnp.full((3, 256, 288), jnp.nan, jnp.bfloat16)
+  cfg = VARIANTS[variant]
   with plgpu.force_gpu_interpret_mode(INTERPRET):
-    dw = jax.jit(lambda a, b, sa, sb: mz.ragged_contract_matmul(a, b, jnp.asarray(SMALL), config=DEEPGEMM, sms=2,
+    dw = jax.jit(lambda a, b, sa, sb: mz.ragged_contract_matmul(a, b, jnp.asarray(SMALL), config=cfg, sms=2,
                                                                 out=poison, block_scales=(sa, sb)))(xqt, dqt, sxt, sdt)
   dw = f32(dw)
   xtd, dtd = deq_rows(*np_quantize_rows(f32(x).T)), deq_rows(*np_quantize_rows(f32(dy).T))
-  ref = np.stack([xtd[:, :128] @ dtd[:, :128].T, np.zeros((256, 320), np.float32), xtd[:, 128:256] @ dtd[:, 128:256].T])
+  ref = np.stack([xtd[:, :128] @ dtd[:, :128].T, np.zeros((256, 288), np.float32), xtd[:, 128:256] @ dtd[:, 128:256].T])
   assert np.isfinite(dw).all() and not dw[1].any()
   assert rel(dw, ref) < 4e-3
 

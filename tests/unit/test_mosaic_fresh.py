@@ -71,6 +71,8 @@ CHAIN = [FRESH, KEEP, KEEP, KEEP]  # a 128-deep FP8 k-block: four k32 instructio
     ("rows", dict(fresh=True, overlap=True), 3),  # the pair loop's two and the odd k-block's
     ("rows", dict(fresh=True, col_scales=True, block_n=160, epi_n=32), 1),  # variant (b)
     ("contract", dict(fresh=True, col_scales=True, block_n=160, epi_n=32), 1),
+    ("rows", dict(fresh=True, gmem_scales=True), 1),  # scales by plain loads from global memory
+    ("contract", dict(fresh=True, gmem_scales=True, col_scales=True, block_n=160, epi_n=32), 1),
 ])
 def test_fresh_k_blocks_lower_with_scale_d_zero(form, changes, chains, monkeypatch):
   cfg = dataclasses.replace(BASE, **changes)
@@ -114,6 +116,7 @@ def test_options_are_refused_in_one_line_where_they_cannot_run(monkeypatch):
 
   refused(dataclasses.replace(BASE, fresh=True), "options of the block-scaled kernels", block_scaled=False)
   refused(dataclasses.replace(BASE, col_scales=True, overlap=True), "overlap must be off")
+  refused(dataclasses.replace(BASE, gmem_scales=True, overlap=True), "overlap must be off")
   refused(dataclasses.replace(BASE, block_n=160, epi_n=32), "col_scales=True takes any")
   monkeypatch.setattr(jax, "__version__", "0.12.1")
   assert "needs jax 0.11.2" in wgmma_fresh.unavailable()

@@ -89,7 +89,10 @@ class TileConfig:
   (wgmma_fresh); col_scales (block-scaled kernels) reads B's scales per output column from shared
   memory, TMA'd with each stage (the rows form's 128 x 128 weight scales expanded per column, so a tile
   may straddle two weight blocks: block_n 160), loads them before the wgmma wait and promotes as
-  total + part * (s_a s_b): DeepSeek's DeepGEMM structure with wait-then-promote (overlap off)."""
+  total + part * (s_a s_b): DeepSeek's DeepGEMM structure with wait-then-promote (overlap off);
+  gmem_scales (block-scaled, overlap off) reads both operands' scales of a k-block from global memory
+  into registers before its wgmma instead of TMA'ing them into shared memory, so no proxy fence orders
+  their reads before the producer's next copy into the stage."""
 
   block_m: int = 128
   block_n: int = 256
@@ -102,6 +105,7 @@ class TileConfig:
   overlap: bool = False
   fresh: bool = False
   col_scales: bool = False
+  gmem_scales: bool = False
 
   def name(self) -> str:
     s = f"m{self.block_m}n{self.block_n}k{self.block_k or 'auto'}s{self.stages}w{self.compute_wgs}g{self.grid_block_n}"
@@ -115,6 +119,8 @@ class TileConfig:
       s += "f"
     if self.col_scales:
       s += "c"
+    if self.gmem_scales:
+      s += "r"
     return s
 
   def resolved_block_k(self, dtype) -> int:
@@ -291,8 +297,8 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
     problems.append(f"needs {cfg.smem_bytes(a_dtype, b_dtype, out_dtype, block_scaled)} bytes of SMEM > {_SMEM_BYTES}")
   if cfg.stages < 2:
     problems.append("stages must be >= 2")
-  if not block_scaled and (cfg.fresh or cfg.col_scales):
-    problems.append("fresh and col_scales are options of the block-scaled kernels")
+  if not block_scaled and (cfg.fresh or cfg.col_scales or cfg.gmem_scales):
+    problems.append("fresh, col_scales and gmem_scales are options of the block-scaled kernels")
   if block_scaled:
     if jnp.dtype(a_dtype) not in _FP8 or jnp.dtype(b_dtype) not in _FP8:
       problems.append("block scaling needs FP8 operands")
@@ -307,8 +313,8 @@ def _check_config(cfg: TileConfig, a_dtype, b_dtype, out_dtype, rows: int, cols:
       problems.append("block scaling promotes every k-block already (promote must be 0)")
     if cfg.overlap and cfg.stages < 2:
       problems.append("overlap needs two stages in flight")
-    if cfg.overlap and cfg.col_scales:
-      problems.append("col_scales waits, then promotes (overlap must be off)")
+    if cfg.overlap and (cfg.col_scales or cfg.gmem_scales):
+      problems.append("col_scales and gmem_scales wait, then promote (overlap must be off)")
   if problems:
     raise ValueError(f"TileConfig {cfg.name()} cannot run this GEMM: " + "; ".join(problems))
 
@@ -434,9 +440,10 @@ def _grouped_kernel(
   a_copies = 1 if a_rc else C
   a_smem_shape = (S, bm, bk) if a_rc else (S, C, bk, wm)
   col_scales = block_scaled and (form == "contract" or cfg.col_scales)  # B's scales per column, per stage
-  copies_per_stage = a_copies + 1 + block_scaled + col_scales
+  smem_scales = block_scaled and not cfg.gmem_scales  # gmem_scales: read by the consumers from GMEM
+  copies_per_stage = a_copies + 1 + (block_scaled + col_scales) * smem_scales
   scale_smem = {}
-  if block_scaled:
+  if smem_scales:
     scale_smem["sa_smem"] = plgpu.SMEM((S, bm), jnp.float32)
     if col_scales:
       scale_smem["sb_smem"] = plgpu.SMEM((S, bn), jnp.float32)
@@ -517,7 +524,7 @@ def _grouped_kernel(
             else:
               bsl = bsrc.at[pl.ds(kc, bk), pl.ds(b_row0, bn)]
             plgpu.copy_gmem_to_smem(bsl, b_smem.at[slot], produced.at[slot])
-            if block_scaled:
+            if smem_scales:
               plgpu.copy_gmem_to_smem(sa_gmem.at[k0 + kk, pl.ds(a_row0, bm)], sa_smem.at[slot], produced.at[slot])
               if col_scales:
                 sb_src = sb_gmem.at[k0 + kk] if form == "contract" else sb_gmem.at[g, kk]
@@ -592,10 +599,31 @@ def _grouped_kernel(
           # the rows form's 128 x 128 weight block scale (a GMEM scalar, loaded ahead of its use)
           return sb_gmem[g, kk, b_row0 // 128] if form == "rows" and not col_scales else None
 
-        def block_scaled_k_loop(kk, carry, g, b_row0):
+        def block_scaled_k_loop(kk, carry, g, b_row0, a_row0, k0):
           """One k-block into a fresh accumulator, waited for, then promoted."""
           step, total = carry
           slot = lax.rem(step, S)
+          if cfg.gmem_scales:  # both scales into registers before the wgmma; no shared memory, no fence
+            sa = plgpu.load(sa_gmem.at[k0 + kk, pl.ds(a_row0 + wg * wm, wm)], layout=plgpu.Layout.WGMMA.reduce(1),
+                            optimized=False)  # GMEM: plain per-thread loads
+            if col_scales:
+              sb_src = sb_gmem.at[k0 + kk] if form == "contract" else sb_gmem.at[g, kk]
+              sbv = plgpu.load(sb_src.at[pl.ds(b_row0, bn)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            else:
+              sa = sa * sb_gmem[g, kk, b_row0 // 128]
+            plgpu.barrier_wait(produced.at[slot])
+
+            def acc_scope(acc):
+              mma(acc, slot, cfg.fresh)
+              return acc[...]
+
+            part = pl.run_scoped(acc_scope, plgpu.ACC((wm, bn), jnp.float32))
+            plgpu.barrier_arrive(consumed.at[slot])
+            scale = lax.broadcast_in_dim(sa, (wm, bn), [0])
+            if col_scales:
+              scale = scale * lax.broadcast_in_dim(sbv, (wm, bn), [1])
+            return step + 1, total + part * scale
+
           sb = weight_scale(g, kk, b_row0)
           plgpu.barrier_wait(produced.at[slot])
 
@@ -634,7 +662,7 @@ def _grouped_kernel(
           return step + 2, pl.run_scoped(accs_scope, acc, acc)
 
         def tile_loop(i, step):
-          g, _, b_row0, _, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
+          g, a_row0, b_row0, k0, nk, o_row0, o_col0 = tile_info(sm + i * sms, sched_refs)
 
           def run_chunk(step, lo, hi):
             """k-blocks [lo, hi) into a fresh accumulator; returns (step, fp32 value)."""
@@ -656,9 +684,9 @@ def _grouped_kernel(
             if cfg.overlap:
               pairs = nk // 2
               carry = lax.fori_loop(0, pairs, lambda j, c: block_scaled_pair_loop(j, c, g, b_row0), carry)
-              carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
+              carry = lax.fori_loop(2 * pairs, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0, a_row0, k0), carry)
             else:
-              carry = lax.fori_loop(0, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0), carry)
+              carry = lax.fori_loop(0, nk, lambda kk, c: block_scaled_k_loop(kk, c, g, b_row0, a_row0, k0), carry)
             step, val = carry
           elif cfg.promote:
             # Flush into an fp32 register sum every `promote` k-blocks (a fresh accumulator each).
@@ -770,6 +798,8 @@ def ragged_rows_matmul(
       raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(kb, m)}, {(g, kb, nb)}")
     if cfg.col_scales:  # one scale per column of B, TMA'd with each stage: (G, k-blocks, B's columns)
       sb = jnp.repeat(sb, 128, axis=2)[:, :, :b_cols]
+      if cfg.gmem_scales:  # read by plain loads, which TMA's bounds do not clip: whole tiles of columns
+        sb = pad_to(sb, (g, kb, -(-b_cols // cfg.block_n) * cfg.block_n))
     extra = (sa, sb)
   kern = _grouped_kernel(
       form="rows", a_shape=a.shape, b_shape=b.shape, a_rc=True, b_rc=b_contract_minor,
@@ -825,6 +855,9 @@ def ragged_contract_matmul(
     sa, sb = (jnp.asarray(v, jnp.float32) for v in block_scales)
     if t % 128 or sa.shape != (t // 128, a_rows) or sb.shape != (t // 128, b_cols):
       raise ValueError(f"block scales {sa.shape}, {sb.shape}: expected {(t // 128, a_rows)}, {(t // 128, b_cols)}")
+    if cfg.gmem_scales:  # read by plain loads, which TMA's bounds do not clip: whole tiles of rows and columns
+      sa = pad_to(sa, (t // 128, -(-a_rows // cfg.block_m) * cfg.block_m))
+      sb = pad_to(sb, (t // 128, -(-b_cols // cfg.block_n) * cfg.block_n))
     extra = (sa, sb)
   kern = _grouped_kernel(
       form="contract", a_shape=a.shape, b_shape=b.shape, a_rc=a_contract_minor, b_rc=b_contract_minor,
