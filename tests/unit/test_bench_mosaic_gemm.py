@@ -50,3 +50,28 @@ def test_sweep_matches_float32_in_every_gemm(scaling, configs, monkeypatch):
       assert res["best"]["recipe_rel_err_vs_bf16"] < bound, (name, res["best"])
   if scaling != "none":  # the 192-deep contraction runs on a copy padded to 256, the 128-deep one as it is
     assert specs["gateup_fwd"][1].shape[1] == 256 and specs["down_fwd"][1].shape[1] == 128
+
+
+def test_variant_configs_pass_the_kernels_checks_on_dsv3():
+  """--variants' configs (today's block-scaled kernel and its options) against the kernels' static checks on
+  DeepSeek-V3's six GEMMs as the sweep passes them, so none is lost to a config error on the GPU; each
+  config once, the default first as the sweep puts it."""
+  s = bench.SHAPES["dsv3"]
+  h, f2 = s["hidden"], 2 * s["ffn"]
+  rows = 69632  # the dsv3 dispatch buffer (tokens x top-8 + experts x 127, in 128-row tiles)
+  gemms = [("rows", rows, f2, h), ("rows", rows, h, f2 // 2), ("rows", rows, h, f2), ("rows", rows, f2 // 2, h),
+           ("contract", h, f2, rows), ("contract", f2 // 2, h, rows)]  # (form, out rows, out cols, contraction)
+  names = [c.name() for c in bench.BLOCKWISE_VARIANTS]
+  assert len(set(names)) == len(names) and bench.BLOCKWISE_VARIANTS[0] == mz.default_config("rows", "blockwise", f2)
+  assert {c.fresh for c in bench.BLOCKWISE_VARIANTS} == {False, True}
+  assert {c.block_n for c in bench.BLOCKWISE_VARIANTS if c.col_scales} >= {128, 160, 192}
+  for cfg in bench.BLOCKWISE_VARIANTS:
+    for form, m, n, k in gemms:
+      mz._check_config(cfg, mz.E4M3, mz.E4M3, jax.numpy.bfloat16, m, n, k, form, True)  # pylint: disable=protected-access
+
+
+def test_variants_need_the_block_scaled_sweep(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", ["mosaic_gemm.py", "--variants", "--scaling", "current"])
+  with pytest.raises(SystemExit):
+    bench.main()
+  assert "--variants sweeps the block-scaled kernels' options: add --scaling blockwise" in capsys.readouterr().err
