@@ -6,7 +6,8 @@ matrix: MaxText's routed-MoE model families at tiny dims, routed-only (`RoutedMo
 (`RoutedAndSharedMoE`) where the family has them, plus skewed routing (one expert takes nearly all tokens,
 others none).
 `python parity_check.py CASE[,CASE...] [key=value ...] [--native key=value ...]` prints one
-comparison per case as JSON (the multi-device tests run it in a process with several host devices).
+comparison per case as JSON; `python parity_check.py --runs NAME[,NAME...]` those of FOUR_DEVICE_RUNS (the
+multi-device tests run it in a process with 4 host devices).
 """
 
 from __future__ import annotations
@@ -214,6 +215,37 @@ def expert_counts(layer, mesh, x) -> list[int]:
   return np.bincount(np.asarray(experts).ravel(), minlength=moe.num_experts).tolist()
 
 
+def native_side(router: str, overrides: tuple[str, ...], seed: int, batch: int) -> dict:
+  """MaxText's block for `router` with `overrides`: its initial parameters, the gate it ran with (skewed or
+  not), the inputs, its expert counts, and its output, aux loss, bias update and gradients. Kept per process
+  (`_NATIVE`): the 4-device runs compare temoe's block on several meshes against one native run."""
+  key = (router, overrides, seed, batch)
+  if key in _NATIVE:
+    return _NATIVE[key]
+  case = CASES[router]
+  cfg = maxtext_config("te_moe_block=false", *overrides)
+  native, mesh = build(cfg, seed, case.shared)
+  params = nnx.state(native, nnx.Param)  # as initialized: the skew below moves the gate
+  side = {"cfg": cfg, "params": (jax.tree.structure(params), jax.tree.leaves(params)), "bias": None}
+  if cfg.routed_bias:  # a trained bias, so routing depends on it
+    side["bias"] = jax.random.normal(jax.random.key(seed + 1), routed(native).gate.bias.shape) * 0.05
+    routed(native).gate.bias[...] = side["bias"]
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.standard_normal((batch, 32, cfg.emb_dim)), jnp.float32)
+  if case.skewed:
+    x = skew_until_skewed((native,), mesh, x, rng)
+  side["gate_kernel"] = np.array(routed(native).gate.kernel[...])
+  side["x"], side["cotangent"] = x, jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  side["expert_counts"] = expert_counts(native, mesh, x)
+  side["out"], side["lb_loss"], side["bias_update"], side["grads"], _ = forward_and_grads(
+      native, mesh, x, side["cotangent"])
+  _NATIVE[key] = side
+  return side
+
+
+_NATIVE: dict[tuple, dict] = {}
+
+
 def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = None, seed: int = SEED) -> dict:
   """Forward, aux loss, bias update and gradients of both blocks: relative errors and checks.
 
@@ -223,34 +255,29 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   """
   case = CASES[router]
   common = ("dtype=float32", "weight_dtype=float32", "matmul_precision=highest", *case.overrides)
-  native_cfg = maxtext_config("te_moe_block=false", *common, *(extra if native_extra is None else native_extra))
   with megatron_seam() if case.megatron_seam else contextlib.nullcontext():
     temoe_cfg = maxtext_config("te_moe_block=true", *common, *extra)
-  native, native_mesh = build(native_cfg, seed, case.shared)
   ours, mesh = build(temoe_cfg, seed, case.shared)
-  report = {"case": router, "seed": seed, "devices": int(mesh.size), "mesh": dict(mesh.shape)}
-
-  native_params = nnx.state(native, nnx.Param)
-  our_params = nnx.state(ours, nnx.Param)
-  same_structure = jax.tree.structure(native_params) == jax.tree.structure(our_params)
-  report["same_params"] = same_structure and all(
-      a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(a, b))
-      for a, b in zip(jax.tree.leaves(native_params), jax.tree.leaves(our_params))
-  )
-  key = jax.random.key(seed + 1)
-  if native_cfg.routed_bias:  # a trained bias, so routing depends on it
-    bias = jax.random.normal(key, routed(ours).gate.bias.shape) * 0.05
-    routed(native).gate.bias[...], routed(ours).gate.bias[...] = bias, bias
-
-  rng = np.random.default_rng(seed)
   batch = max(4, int(mesh.size))
-  x = jnp.asarray(rng.standard_normal((batch, 32, native_cfg.emb_dim)), jnp.float32)
-  if case.skewed:
-    x = skew_until_skewed((native, ours), native_mesh, x, rng)
-  cotangent = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-  report["expert_counts"] = expert_counts(native, native_mesh, x)
-  n_out, n_lb, n_bias, n_grads, _ = forward_and_grads(native, native_mesh, x, cotangent)
+  native = native_side(router, (*common, *(extra if native_extra is None else native_extra)), seed, batch)
+  report = {"case": router, "seed": seed, "devices": int(mesh.size), "mesh": dict(mesh.shape), "extra": list(extra)}
+
+  native_structure, native_params = native["params"]
+  our_params = nnx.state(ours, nnx.Param)
+  report["same_params"] = native_structure == jax.tree.structure(our_params) and all(
+      a.shape == b.shape and a.dtype == b.dtype and bool(jnp.array_equal(a, b))
+      for a, b in zip(native_params, jax.tree.leaves(our_params))
+  )
+  if native["bias"] is not None:
+    routed(ours).gate.bias[...] = native["bias"]
+  if case.skewed:  # the gate as skew_until_skewed left native's
+    gate = routed(ours).gate
+    gate.kernel[...] = jnp.asarray(native["gate_kernel"], gate.kernel[...].dtype)
+  x, cotangent = native["x"], native["cotangent"]
+  report["expert_counts"] = native["expert_counts"]
+  n_out, n_lb, n_bias, n_grads = native["out"], native["lb_loss"], native["bias_update"], native["grads"]
   t_out, t_lb, t_bias, t_grads, sown = forward_and_grads(ours, mesh, x, cotangent)
+  native_cfg = native["cfg"]
 
   report["out"] = relative_error(t_out, n_out)
   report["out_norm"] = float(jnp.linalg.norm(n_out))
@@ -276,10 +303,69 @@ def compare(router: str, *extra: str, native_extra: tuple[str, ...] | None = Non
   return report
 
 
+FSDP4 = ("ici_fsdp_parallelism=4",)
+FOUR_DEVICE_RUNS = {  # name: (cases, temoe's overrides, MaxText's: its expert-parallel path does not run on CPU)
+    "expert4": (ROUTERS, ("ici_expert_parallelism=4", "ici_fsdp_parallelism=1"), FSDP4),
+    "fsdp2_expert2": (ROUTERS, ("ici_expert_parallelism=2", "ici_fsdp_parallelism=2"), FSDP4),
+    "fsdp4": (ROUTERS, FSDP4, FSDP4),
+    # TP 2 x EP 2, the hierarchical exchange (a node of one rank) in 2 token chunks, against TP 2 x FSDP 2
+    "tensor2_expert2_hier": (("deepseek3_shared_skewed",),
+                             ("ici_tensor_parallelism=2", "ici_expert_parallelism=2", "ici_fsdp_parallelism=1",
+                              "te_moe_exchange=hier", "te_moe_ep_node_size=1", "te_moe_chunks=2"),
+                             ("ici_tensor_parallelism=2", "ici_fsdp_parallelism=2")),
+}
+"""The 4-host-device comparisons (tests/unit/test_parity.py, test_exchange_tensor_parallel.py)."""
+
+
+def four_device_reports(tmp_path_factory) -> dict:
+  """Every FOUR_DEVICE_RUNS comparison from one subprocess on 4 host devices, once per test session:
+  {"reports": {run: [report per case]}, "stderr": its tail}. One process imports MaxText once and runs
+  MaxText's block once per case for all of temoe's meshes (`native_side`)."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  from conftest import HANG_S, once_per_session  # pylint: disable=import-outside-toplevel
+
+  def produce(_):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, "parity_check.py"), "--runs", ",".join(FOUR_DEVICE_RUNS)],
+                          capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S)
+    reports = {}
+    for line in proc.stdout.splitlines():
+      if line.startswith("PARITY "):
+        r = json.loads(line.removeprefix("PARITY "))
+        reports.setdefault(r["run"], []).append(r)
+    return {"reports": reports, "stderr": proc.stderr[-3000:]}
+
+  return once_per_session(tmp_path_factory, "parity-4-devices", produce)
+
+
+def run_all(names: list[str]) -> None:
+  """Prints each named run's reports (one per case, the run's name in it); a case that raises prints its
+  traceback in its report and the others still run."""
+  import json  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
+
+  for name in names:
+    cases, ours, native = FOUR_DEVICE_RUNS[name]
+    for case in cases:
+      try:
+        r = compare(case, *ours, native_extra=native)
+      except Exception:  # pylint: disable=broad-exception-caught
+        r = {"case": case, "error": traceback.format_exc()[-3000:]}
+      print("PARITY " + json.dumps({"run": name, **r}), flush=True)
+
+
 if __name__ == "__main__":
   import json
   import sys
 
+  if sys.argv[1] == "--runs":
+    run_all(sys.argv[2].split(","))
+    sys.exit(0)
   args = sys.argv[2:]
   split = args.index("--native") if "--native" in args else len(args)
   native = tuple(args[split + 1 :]) if split < len(args) else None

@@ -3,21 +3,16 @@
 Forward output, load-balance loss, routed-bias update and gradients with respect to the input
 and every parameter must agree to 1e-5 relative error, on inputs drawn from a fixed seed. The
 single-device matrix over MaxText's model families is `test_parity_matrix.py`; here the DeepSeek-V3
-and Mixtral routers run on 4 host devices (FSDP and expert parallel), one subprocess per mesh,
-against MaxText's block on a 4-device FSDP mesh (its expert-parallel path does not run on CPU).
+and Mixtral routers run on 4 host devices (FSDP and expert parallel; `parity_check.FOUR_DEVICE_RUNS`, one
+subprocess for all meshes) against MaxText's block on a 4-device FSDP mesh (its expert-parallel path does not
+run on CPU).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import HANG_S
-from parity_check import ROUTERS
+from parity_check import ROUTERS, four_device_reports
 
 TOL = 1e-5
 
@@ -40,25 +35,17 @@ def check(r: dict, dropless_rows: int | None = None, compare_lb_loss: bool = Tru
     assert r["received"] == [dropless_rows], r
 
 
-MESHES = {
-    "expert4": ("ici_expert_parallelism=4", "ici_fsdp_parallelism=1"),
-    "fsdp2_expert2": ("ici_expert_parallelism=2", "ici_fsdp_parallelism=2"),
-    "fsdp4": ("ici_fsdp_parallelism=4",),
-}
+@pytest.fixture(scope="module")
+def four_devices(tmp_path_factory) -> dict:
+  return four_device_reports(tmp_path_factory)
 
 
-@pytest.mark.parametrize("mesh", sorted(MESHES))
-def test_block_matches_maxtext_native_moe_on_4_devices(mesh):
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-  here = os.path.dirname(os.path.dirname(__file__))  # tests/, where parity_check.py lives
-  proc = subprocess.run(
-      [sys.executable, os.path.join(here, "parity_check.py"), ",".join(ROUTERS), *MESHES[mesh],
-       "--native", *MESHES["fsdp4"]],
-      capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S,
-  )
-  reports = [json.loads(l.removeprefix("PARITY ")) for l in proc.stdout.splitlines() if l.startswith("PARITY ")]
-  assert proc.returncode == 0 and [r["case"] for r in reports] == list(ROUTERS), proc.stderr[-3000:]
+@pytest.mark.parametrize("mesh", ["expert4", "fsdp2_expert2", "fsdp4"])
+def test_block_matches_maxtext_native_moe_on_4_devices(four_devices, mesh):
+  reports = four_devices["reports"].get(mesh, [])
+  assert [r["case"] for r in reports] == list(ROUTERS), four_devices["stderr"]
   for r in reports:
+    assert "error" not in r, r["error"]
     assert r["devices"] == 4 and r["mesh"]["expert"] * r["mesh"]["fsdp"] == 4, r
     # MaxText's native block returns its aux loss from shard_map with out_specs P(): one data
     # shard's loss. temoe's is the whole batch's (the 1-device definition, compared exactly in
