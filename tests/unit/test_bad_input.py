@@ -64,13 +64,16 @@ def test_loss_free_balancing_outside_deepseek_is_still_rejected():
 
 
 @pytest.mark.parametrize("override", ["te_gmm_quantization=te_fp9", "te_gmm_quantization=te_fp8_current"])
-def test_cli_prints_one_line_and_exits_2_before_compiling(tmp_path, override):
-  result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=bad", override)
-  assert result.returncode == 2
-  lines = [line for line in result.stderr.splitlines() if line.startswith("temoe: ")]
-  assert len(lines) == 1 and "valid choice" in lines[0].lower(), result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
-  assert "completed step" not in result.stderr + result.stdout
+def test_cli_prints_one_line_and_exits_2_before_compiling(tmp_path, capsys, override):
+  """`temoe train`'s entry point in this process (a subprocess's whole output, the same path:
+  test_cli_errors.py's test_a_subprocess_prints_only_the_line)."""
+  code = cli.main(["train", SMOKE, f"base_output_directory={tmp_path}", "run_name=bad", override])
+  out, err = capsys.readouterr()
+  assert code == 2
+  lines = [line for line in err.splitlines() if line.startswith("temoe: ")]
+  assert len(lines) == 1 and "valid choice" in lines[0].lower(), err[-2000:]
+  assert "Traceback" not in err
+  assert "completed step" not in err + out
   assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
