@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import HANG_S, SMOKE, run_temoe
 
 HERE = os.path.dirname(os.path.dirname(__file__))  # tests/, where the helper modules live
@@ -21,38 +23,42 @@ from flax import nnx
 from parity_check import build, forward_and_grads
 from conftest import maxtext_config
 
-factor = sys.argv[1]
-cfg = maxtext_config("te_moe_block=true", "dtype=float32", "weight_dtype=float32", "ici_expert_parallelism=4",
-                     "ici_fsdp_parallelism=1", f"ragged_buffer_factor={factor}")
-layer, mesh = build(cfg, 0)
-bias = np.zeros(cfg.num_experts, np.float32); bias[:2] = 1e3  # every token picks experts 0 and 1 (device 0)
-layer.gate.bias[...] = jnp.asarray(bias)
-x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, cfg.emb_dim)), jnp.float32)
-out, _, _, _, sown = forward_and_grads(layer, mesh, x, jnp.ones_like(x))
-named = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(sown)}
-pick = lambda k: [v.item() for n, v in named.items() if k in n][0]
-print("SKEW " + json.dumps({"received": pick("te_moe_total_recv_tokens"), "capacity": pick("te_moe_recv_capacity_per_rank"),
-                            "overflow": pick("te_moe_capacity_overflow"), "finite": bool(jnp.isfinite(out).all())}))
+for factor in sys.argv[1:]:
+  cfg = maxtext_config("te_moe_block=true", "dtype=float32", "weight_dtype=float32", "ici_expert_parallelism=4",
+                       "ici_fsdp_parallelism=1", f"ragged_buffer_factor={factor}")
+  layer, mesh = build(cfg, 0)
+  bias = np.zeros(cfg.num_experts, np.float32); bias[:2] = 1e3  # every token picks experts 0 and 1 (device 0)
+  layer.gate.bias[...] = jnp.asarray(bias)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 32, cfg.emb_dim)), jnp.float32)
+  out, _, _, _, sown = forward_and_grads(layer, mesh, x, jnp.ones_like(x))
+  named = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(sown)}
+  pick = lambda k: [v.item() for n, v in named.items() if k in n][0]
+  print("SKEW " + json.dumps({"factor": factor, "received": pick("te_moe_total_recv_tokens"),
+                              "capacity": pick("te_moe_recv_capacity_per_rank"),
+                              "overflow": pick("te_moe_capacity_overflow"), "finite": bool(jnp.isfinite(out).all())}))
 """
 
 
-def skew_probe(factor: str) -> dict:
-  proc = subprocess.run([sys.executable, "-c", SKEW_PROBE, factor], capture_output=True, text=True, cwd=HERE,
+@pytest.fixture(scope="module")
+def skew_probe() -> dict[str, dict]:
+  """{ragged_buffer_factor: what the layer reported}, both factors in one process (one start-up, one model)."""
+  factors = ("1.0", "-1")
+  proc = subprocess.run([sys.executable, "-c", SKEW_PROBE, *factors], capture_output=True, text=True, cwd=HERE,
                         env={**os.environ, **FOUR_DEVICES}, timeout=HANG_S)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("SKEW ")]
-  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-  return json.loads(lines[0][5:])
+  rows = [json.loads(l[5:]) for l in proc.stdout.splitlines() if l.startswith("SKEW ")]
+  assert proc.returncode == 0 and [r["factor"] for r in rows] == list(factors), proc.stderr[-3000:]
+  return {r["factor"]: r for r in rows}
 
 
-def test_bounded_buffer_overflow_is_detected_under_extreme_skew():
-  r = skew_probe("1.0")  # each device may receive its balanced share, no more
+def test_bounded_buffer_overflow_is_detected_under_extreme_skew(skew_probe):
+  r = skew_probe["1.0"]  # each device may receive its balanced share, no more
   # 4 devices x 32 tokens x top-4 rows: device 0 owns experts 0-3 and is sent at least half of all rows.
   assert r["overflow"] is True and r["received"] > r["capacity"], r
   assert r["finite"], r
 
 
-def test_worst_case_buffer_never_overflows_under_extreme_skew():
-  r = skew_probe("-1")
+def test_worst_case_buffer_never_overflows_under_extreme_skew(skew_probe):
+  r = skew_probe["-1"]
   assert r["overflow"] is False and r["received"] <= r["capacity"], r
 
 
