@@ -141,7 +141,7 @@ def sent_rows(ids, devices, local, top_k, capacity):
     rp = dedup_plan.plan_ranks(ids, local, devices)
     return dedup_plan.plan_exchange(rp.rows_to, rp.pairs_to, "ep", devices, capacity, width)
 
-  return jax.vmap(plan, axis_name="ep")(ids)
+  return jax.jit(jax.vmap(plan, axis_name="ep"))(ids)  # one compile: op by op, each op compiles on its own
 
 
 CASES = {  # name: (devices, local experts, top_k, routing kind, groups, topk_group)
@@ -206,7 +206,8 @@ def test_bounded_buffer_overflow_is_exact_and_the_same_as_row_per_pair(factor):
   _, stats, grads = ep_run(dedup, devices, local, top_k, ids, args, factor=factor)
   counts = jnp.asarray(np.stack([np.bincount(np.asarray(ids[d]).ravel(), minlength=devices * local)
                                  for d in range(devices)]), jnp.int32)
-  pairs_ex = jax.vmap(lambda g: exchange_plan.plan_exchange(g, "ep", devices, capacity), axis_name="ep")(counts)
+  plan = jax.vmap(lambda g: exchange_plan.plan_exchange(g, "ep", devices, capacity), axis_name="ep")
+  pairs_ex = jax.jit(plan)(counts)
   assert bool(np.asarray(stats["overflow"]).any()) == overflow == bool(pairs_ex.overflow[0])  # as row-per-pair
   np.testing.assert_array_equal(stats["received"], pairs_ex.received)
   assert (np.asarray(stats["real"]) <= capacity).all()  # what was kept fits the GEMM buffer
