@@ -78,7 +78,8 @@ BLOCKWISE_CONFIGS = [
 # memory, read before the wait (col_scales), fresh accumulators, at 128, 160 and 192 columns (fp32 total and
 # accumulator: 2 x block_n / 2 registers a thread of the 232 a consumer warpgroup gets); and the scales read
 # from global memory into registers before each wgmma instead of through shared memory (gmem_scales: no
-# proxy fence per k-block); (b) without fresh, and at 160 with a raster band of 4 column tiles.
+# proxy fence per k-block); (b) without fresh at 128 and 160 (its measure should fresh fail), and at 160 with a
+# raster band of 4 column tiles.
 BLOCKWISE_VARIANTS = [
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, overlap=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8),
@@ -94,6 +95,7 @@ BLOCKWISE_VARIANTS = [
     TC(block_m=128, block_n=192, stages=4, compute_wgs=2, grid_block_n=8, epi_n=64, fresh=True, col_scales=True,
        gmem_scales=True),
     TC(block_m=128, block_n=128, stages=5, compute_wgs=2, grid_block_n=8, col_scales=True),  # (b) without fresh
+    TC(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=8, epi_n=32, col_scales=True),
     TC(block_m=128, block_n=160, stages=5, compute_wgs=2, grid_block_n=4, epi_n=32, fresh=True, col_scales=True),
 ]
 # bf16 ("none"): a 128-byte k-block is 64 elements, so a stage holds half the FP8 contraction; the
