@@ -8,7 +8,7 @@ accumulator, so they zero 64 x block_n fp32 registers per k-block only for the f
 them. A kernel marks such a wgmma by tracing it inside `fresh()` (a name scope, carried into the
 Mosaic GPU op's location); `install()` wraps Mosaic GPU's lowering of the wgmma op so that, for a
 marked op alone, the first instruction of each 64-row group gets use_out = 0 and an undefined
-accumulator input (ptxas then drops the zeroing, which nothing reads). Everything else lowers as
+accumulator input, so the zeroing is left without a reader for ptxas to keep. Everything else lowers as
 before, and the kernel's meaning does not change: a fresh accumulator is zero, and 0 + a @ b is
 a @ b (GPU interpret mode, which never lowers, runs the marked kernel as it is).
 
