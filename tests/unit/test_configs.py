@@ -44,8 +44,10 @@ def mesh_of(result: dict) -> dict:
 PRESETS = [  # config, nodes, GPUs per node, GPU, slices the runtime reports, hardware, mesh
     ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 64, "gpu_multiprocess", {"fsdp": 4, "expert": 64}),
     ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 4, "gpu", {"fsdp": 4, "expert": 64}),  # NVL72 racks
-    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu_multiprocess", {"fsdp": 16, "expert": 64}),
-    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu", {"fsdp": 16, "expert": 64}),
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu_multiprocess", {"fsdp": 64, "expert": 16}),
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu", {"fsdp": 64, "expert": 16}),
+    ("deepseek3-671b-h200x128.yml", 16, 8, "h200", 16, "gpu_multiprocess", {"fsdp": 2, "expert": 64}),
+    ("deepseek3-671b-h200x128.yml", 16, 8, "h200", 16, "gpu", {"fsdp": 2, "expert": 64}),
 ]
 
 
@@ -59,7 +61,7 @@ def test_671b_preset_fills_its_cluster_and_is_deepseek_v3(name, nodes, gpus, gpu
   assert result["active_params"] == pytest.approx(37e9, rel=0.03)
   assert result["keys"]["te_moe_block"] and result["keys"]["remat_policy"] == "custom"
   assert {"moe_mlpwi_0", "moe_mlpwi_1"} <= set(result["offloaded"])  # host-offload remat of the experts
-  assert result["keys"]["te_gmm_quantization"] == {"gb200": "te_mxfp8", "h100": "te_fp8_current"}[gpu]
+  assert result["keys"]["te_gmm_quantization"] == {"gb200": "te_mxfp8", "h100": "te_fp8_current", "h200": "te_fp8_current"}[gpu]
 
 
 def test_a_preset_on_the_wrong_gpu_or_cluster_is_rejected():

@@ -13,8 +13,11 @@ Per device and step:
              the scale-out NIC across domains (devices in MaxText's hybrid-mesh order); the hierarchical
              exchange as its two all-to-alls one after the other (relays over the NIC, then NVLink);
   overlap    what the XLA flags in force allow (`OVERLAP_FLAGS`): FSDP collectives hide behind layer
-             compute, the all-reduce behind the backward; the expert exchange never hides (each MoE
-             layer waits for its rows);
+             compute, the all-reduce behind the backward; the expert exchange, which each MoE layer
+             waits for, hides inside temoe's layer behind the shared expert and, with te_moe_chunks,
+             behind other chunks' expert GEMMs (`OVERLAP_ASSUMED`: assumed, not measured); every
+             collective crossing the scale-out NIC shares it, so their summed time bounds the step
+             (`nic_floor`);
   Megatron   a published Megatron-Core run (`Megatron`, set by bench/step_model_check.py) is priced as its
              recipe runs it: the distributed optimizer's once-per-step collectives instead of FSDP's, and
              the overlaps its recipe turns on (pipeline transfers, the expert exchange);
@@ -110,6 +113,7 @@ class Job:
   local_params: float  # trainable parameters held by one device
   optimizer_bytes: float  # optimizer state bytes on one device
   megatron: Megatron | None = None  # a published Megatron-Core run priced as Megatron runs it
+  layer_overlap: bool = True  # temoe's MoE layer (`layer_overlap`); False: a published run of another MoE layer
 
   @property
   def devices(self) -> int:
@@ -483,7 +487,8 @@ def predict(job: Job, calib: cal.Calibration, xla_flags: dict[str, str]) -> Pred
   act = 2 if str(c.dtype) == "bfloat16" else 4
   layers = c.num_decoder_layers + c.mtp_num_layers
   layer_compute = sum(s.seconds for s in stages if s.name != "optimizer")
-  collectives = expert_exchange(job, gpu, count.tokens, share, layer_compute)
+  shared = count.shared_experts * (1 + share["mlp"] / 3) / dense_rate
+  collectives = expert_exchange(job, gpu, count.tokens, share, layer_compute, (w.experts_s, shared))
   if job.megatron:
     collectives += distributed_optimizer(job, gpu, layer_compute)
   else:
@@ -492,6 +497,7 @@ def predict(job: Job, calib: cal.Calibration, xla_flags: dict[str, str]) -> Pred
   collectives += tensor_parallel(job, gpu, count.tokens, layers, share, act)
   collectives += pipeline_transfers(job, gpu, count.tokens, act)
   collectives += host_offload(job, gpu, count.tokens, act, layer_compute)
+  collectives += nic_floor(collectives, sum(s.seconds for s in stages))
   stages_n, repeats, micro = pipeline(job)
   bubble = 0.0
   if stages_n > 1:
@@ -504,6 +510,36 @@ def predict(job: Job, calib: cal.Calibration, xla_flags: dict[str, str]) -> Pred
   peak = flops.effective_peak(count.total, fp8, (gpu.bf16_tflops, gpu.fp8_tflops))
   notes = (calib.describe(),) + ((w.experts_note,) if ":" in w.experts_note else ())
   return Prediction(gpu, calib, tuple(stages), tuple(collectives), bubble, count.tokens, count.total, peak, notes)
+
+
+def exchange_exposed(p: Prediction) -> float:
+  """Seconds of the step the expert exchange leaves exposed: its own, and its share (by NIC time) of what the shared
+  scale-out NIC adds (`nic_floor`)."""
+  exchange = [x for x in p.collectives if x.name.startswith("expert all-to-all")]
+  own = sum(x.exposed for x in exchange)
+  floor = next((x for x in p.collectives if x.name == NIC_FLOOR), None)
+  if floor is None:
+    return own
+  nic = [x for x in p.collectives if "scale-out" in x.link and x is not floor]
+  share = sum(x.seconds for x in exchange if x in nic) / max(sum(x.seconds for x in nic), 1e-30)
+  return own + floor.exposed * share
+
+
+NIC_FLOOR = "scale-out NIC shared"
+
+
+def nic_floor(collectives: list[Collective], compute: float) -> list[Collective]:
+  """A device's scale-out NIC carries every collective that crosses the NVLink domain (FSDP's and the data-parallel
+  rings, the expert exchange's remote rows, pipeline transfers), so however much of each hides behind compute, the
+  step lasts at least their summed time: what the NIC needs beyond the step as priced is exposed here."""
+  nic = [x for x in collectives if "scale-out" in x.link]
+  busy = sum(x.seconds for x in nic)
+  step = compute + sum(x.exposed for x in collectives)
+  if busy <= step:
+    return []
+  return [Collective(NIC_FLOOR, 0.0, 1, "scale-out", busy, busy - step,
+                     f"{busy * 1e3:,.0f} ms of the collectives above cross it; the step waits for "
+                     f"{(busy - step) * 1e3:,.0f} ms beyond their exposed time")]
 
 
 def flag_on(xla_flags: dict[str, str], key: str) -> bool:
@@ -522,12 +558,15 @@ def steady_share(job: Job) -> float:
   return max(0.0, 1 - min(warmup, passes) / passes)
 
 
-def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 0.0) -> list[Collective]:
-  """The expert all-to-all of every MoE layer. It never hides in MaxText (each layer waits for its rows); a
-  Megatron run with `overlap_moe_expert_parallel_comm` overlaps one microbatch's dispatch and combine with
-  another's computation in the 1F1B schedule (Megatron-Core MoE docs, "EP communication overlap"), which hides
-  it behind `compute` on the passes the schedule pairs (`steady_share`). The hierarchical exchange is two
-  all-to-alls one after the other (`hier_hops`)."""
+def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 0.0,
+                    beside: tuple[float, float] = (0.0, 0.0)) -> list[Collective]:
+  """The expert all-to-all of every MoE layer. Each MoE layer waits for its rows, but inside temoe's layer the
+  exchange may overlap what does not depend on it (`layer_overlap`, with `beside` = (routed expert GEMM seconds,
+  shared expert seconds) of the step); MaxText's own MoE layer hides none of it. A Megatron run with
+  `overlap_moe_expert_parallel_comm` overlaps one microbatch's dispatch and combine with another's computation in
+  the 1F1B schedule (Megatron-Core MoE docs, "EP communication overlap"), which hides it behind `compute` on the
+  passes the schedule pairs (`steady_share`). The hierarchical exchange is two all-to-alls one after the other
+  (`hier_hops`)."""
   c = job.config
   ep = job.size(("expert",))
   if ep <= 1 or not moe_layers(c):
@@ -559,6 +598,12 @@ def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 
     parts = [(f"expert all-to-all ({strategy})", ranks, *all_to_all_seconds(sent, ranks, inside, gpu),
               f"{distinct:.2f} ranks/token modelled")]
   out = []
+  if c.te_moe_block and job.layer_overlap and not job.megatron:
+    chunks = max(int(getattr(c, "te_moe_chunks", 1) or 1), 1)
+    exposed, why = layer_overlap([p[2] for p in parts], chunks, *beside, hops=strategy == "hier")
+    total = sum(p[2] for p in parts) or 1.0
+    return [Collective(name, moved, group, link, seconds, seconds * exposed / total, f"{note}; {why}")
+            for name, group, seconds, moved, link, note in parts]
   for name, group, seconds, moved, link, note in parts:
     if job.megatron and job.megatron.overlap_expert_exchange:
       paired = steady_share(job)
@@ -570,6 +615,36 @@ def expert_exchange(job: Job, gpu, tokens: float, share: dict, compute: float = 
       out.append(Collective(name, moved, group, link, seconds, seconds,
                             f"{note}; never hidden: each MoE layer waits for its rows"))
   return out
+
+
+OVERLAP_ASSUMED = ("the exchange's overlap inside temoe's MoE layer is assumed, not measured: the shared expert "
+                   "depends on no all-to-all of the layer (tests/unit/test_moe_overlap.py checks it in the compiled "
+                   "program), so its time hides as much exchange; with te_moe_chunks=C, chunk k+1's exchange runs "
+                   "during chunk k's expert GEMMs, so (1 - 1/C) of the routed GEMM time hides exchange (the first "
+                   "chunk's dispatch and the last one's combine wait), and hier's two hops, on different links, "
+                   "pipeline across chunks; no slowdown of the GEMMs by the exchange's kernels is priced")
+"""How `layer_overlap` prices the overlap the layer allows where no compiled GPU schedule is measured (bench/one_rank.py
+replaces it with the measured schedule's)."""
+
+
+def layer_overlap(seconds: list[float], chunks: int, experts: float, shared: float, hops: bool = False
+                  ) -> tuple[float, str]:
+  """(exposed seconds, note) of an exchange taking `seconds` per part over a step's MoE layers (hier: its two hops,
+  `hops`), inside temoe's layer with `chunks` token chunks, `experts` seconds of routed expert GEMMs and `shared`
+  seconds of shared expert in the step (`OVERLAP_ASSUMED`)."""
+  total = sum(seconds)
+  pipelined = 0.0
+  if hops and chunks > 1 and len(seconds) > 1:  # chunk k's in-node hop beside chunk k+1's scale-out hop
+    pipelined = (total - max(seconds)) * (1 - 1 / chunks)
+  behind_shared = min(total - pipelined, shared)
+  behind_gemms = min(total - pipelined - behind_shared, experts) * (1 - 1 / chunks)
+  exposed = total - pipelined - behind_shared - behind_gemms
+  parts = [f"the shared expert {behind_shared * 1e3:.1f} ms"]
+  if chunks > 1:
+    parts.append(f"{chunks} chunks' expert GEMMs {behind_gemms * 1e3:.1f} ms")
+  if pipelined:
+    parts.append(f"the hops pipelined over chunks {pipelined * 1e3:.1f} ms")
+  return exposed, "assumed hidden behind " + ", ".join(parts) + " (temoe's layer; not measured)"
 
 
 def hier_hops(volume: exchange_volume.Volume, ep: int, node: int, inside: int, gpu, layers: int,
@@ -767,7 +842,13 @@ def table_lines(p: Prediction) -> list[str]:
     lines.append(f"    {'pipeline bubble':<{width}} {p.bubble * 1e3:10.1f} ms")
   lines.append(f"    {'step':<{width}} {step * 1e3:10.1f} ms  {p.tokens_per_s:,.0f} tokens/s/GPU, "
                f"{p.tflops:,.0f} TFLOP/s/GPU (MaxText's count), MFU {p.mfu:.1%} of {p.peak_tflops:,.0f}")
+  exchange = exchange_exposed(p)
+  if any(x.name.startswith("expert all-to-all") for x in p.collectives):
+    lines.append(f"    {'exposed expert exchange':<{width}} {exchange * 1e3:10.1f} ms  {exchange / step:.1%} of the step "
+                 "(with its share of the shared NIC's wait)")
   lines += [f"    note: {n}" for n in p.notes[1:]]
+  if any("assumed hidden" in x.note for x in p.collectives):
+    lines.append(f"    note: {OVERLAP_ASSUMED}")
   return lines
 
 

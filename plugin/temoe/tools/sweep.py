@@ -63,10 +63,9 @@ class Layout:
       out += [f"num_pipeline_microbatches={self.microbatches}", f"pipeline_parallel_layers={self.pipeline_layers}",
               f"num_layers_per_pipeline_stage={self.pipeline_layers // (stages * self.repeats)}",
               f"num_pipeline_repeats={self.repeats}"]
-    if self.size("expert") > 1:
-      out += [f"te_moe_exchange={self.exchange}", f"te_moe_chunks={self.chunks}"]
-      if self.exchange == "hier":
-        out.append(f"te_moe_ep_node_size={self.node}")
+    out += [f"te_moe_exchange={self.exchange}", f"te_moe_chunks={self.chunks}"]
+    if self.exchange == "hier" or self.node != 8:
+      out.append(f"te_moe_ep_node_size={self.node}")
     return out
 
   def mesh_text(self) -> str:
@@ -159,8 +158,7 @@ def varied(config, layout: Layout) -> Varied:
   axes = list(config.mesh_axes)
   fields["ici_parallelism"] = [layout.ici.get(a, v) for a, v in zip(axes, config.ici_parallelism)]
   fields["dcn_parallelism"] = [layout.dcn.get(a, v) for a, v in zip(axes, config.dcn_parallelism)]
-  if layout.size("expert") > 1:
-    fields.update(te_moe_exchange=layout.exchange, te_moe_chunks=layout.chunks, te_moe_ep_node_size=layout.node)
+  fields.update(te_moe_exchange=layout.exchange, te_moe_chunks=layout.chunks, te_moe_ep_node_size=layout.node)
   if layout.size("stage") > 1:
     fields["num_pipeline_microbatches"] = layout.microbatches
   return Varied(config, fields)
@@ -182,7 +180,7 @@ def family_base(layout: Layout, devices: int, slices: int) -> Layout:
   ici["fsdp"] *= per_slice
   dcn["fsdp"] *= rest
   ep = ici["expert"] * dcn["expert"]
-  return dataclasses.replace(layout, ici=ici, dcn=dcn, exchange="dedup" if ep > 1 else "auto", chunks=1)
+  return dataclasses.replace(layout, ici=ici, dcn=dcn, exchange="dedup" if ep > 1 else "auto", node=8, chunks=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +190,7 @@ class Row:
   fits: bool
   prediction: object | None  # step_model.Prediction
   why: str = ""  # why it was not planned (refused)
+  margin: bool = False  # fits with the plan's tolerance to spare (planner.TOLERANCE)
 
 
 def check_axes(config) -> None:
@@ -281,17 +280,27 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
         except step_model.StepModelError as exc:
           rows.append(Row(layout, peak, fits, None, f"not priced: {exc}"))
           continue
-      rows.append(Row(layout, peak, fits, prediction))
+      rows.append(Row(layout, peak, fits, prediction, margin=fits and peak * (1 + planner.TOLERANCE) <= base.hbm_gib))
   return rows
 
 
 def exposed_exchange(prediction) -> float:
-  """Seconds of the step the expert exchange leaves exposed."""
-  return sum(c.exposed for c in prediction.collectives if c.name.startswith("expert all-to-all"))
+  """Seconds of the step the expert exchange leaves exposed (step_model.exchange_exposed)."""
+  from temoe.tools import step_model  # pylint: disable=import-outside-toplevel
+
+  return step_model.exchange_exposed(prediction)
 
 
 def ranked(rows: list[Row]) -> list[Row]:
-  return sorted((r for r in rows if r.prediction), key=lambda r: -r.prediction.tokens_per_s)
+  """The rows that fit, fastest first; of equal steps (a step the shared NIC bounds is the same whatever hides
+  behind it), the one that leaves less of the exchange exposed (to the percent), then the lower peak, then the less
+  exposed exchange."""
+  def key(r: Row):
+    p = r.prediction
+    share = exposed_exchange(p) / p.step_seconds
+    return (-round(p.tokens_per_s, 6), round(share, 2), round(r.peak_gib, 1), share)
+
+  return sorted((r for r in rows if r.prediction), key=key)
 
 
 def table(rows: list[Row], devices: int, slices: int, top: int = TOP) -> list[str]:
@@ -308,7 +317,7 @@ def table(rows: list[Row], devices: int, slices: int, top: int = TOP) -> list[st
            f"{'MFU':>6} {'exchange':>9}"]
   for i, r in enumerate(best[:top], 1):
     p = r.prediction
-    lines.append(f"  {i:>4}  {r.layout.describe():<44} {r.peak_gib:9.1f} {p.step_seconds * 1e3:9.1f} "
+    lines.append(f"  {i:>4}  {r.layout.describe():<44} {r.peak_gib:8.1f}{' ' if r.margin else '*'} {p.step_seconds * 1e3:9.1f} "
                  f"{p.tokens_per_s:13,.0f} {p.tflops:12,.0f} {p.mfu:6.1%} {exposed_exchange(p) / p.step_seconds:9.1%}")
   if len(best) > top:
     lines.append(f"  ... {len(best) - top} more that fit")
@@ -318,9 +327,13 @@ def table(rows: list[Row], devices: int, slices: int, top: int = TOP) -> list[st
                  f"{lightest.peak_gib:.1f} GiB)")
   for why, group in refused.items():
     lines.append(f"  refused: {len(group)} layouts (e.g. {group[0].layout.describe()}): {why}")
-  if best:
-    b = best[0]
-    lines.append(f"best: {b.layout.describe()}: {b.prediction.tflops:,.0f} TFLOP/s/GPU, "
+  if any(not r.margin for r in best[:top]):
+    lines.append("  * peak within the plan's 15% tolerance of the device's memory: may not fit")
+  spare = [r for r in best if r.margin]
+  for label, b in (("best", best[0] if best else None), ("best with memory to spare", spare[0] if spare else None)):
+    if b is None or (label != "best" and b is best[0]):
+      continue
+    lines.append(f"{label}: {b.layout.describe()}: {b.prediction.tflops:,.0f} TFLOP/s/GPU, "
                  f"{b.prediction.tokens_per_s:,.0f} tokens/s/GPU, step {b.prediction.step_seconds * 1e3:,.0f} ms, "
                  f"exposed exchange {exposed_exchange(b.prediction) / b.prediction.step_seconds:.1%} of it, peak "
                  f"{b.peak_gib:.1f} GiB (settings: {' '.join(b.layout.overrides())})")
