@@ -22,6 +22,26 @@ _OUTPUT = tempfile.mkdtemp(prefix="temoe-tests-")  # this process's own: concurr
 atexit.register(shutil.rmtree, _OUTPUT, ignore_errors=True)
 
 
+def _session_jax_cache() -> str:
+  """The session's JAX persistent compilation cache: MaxText's jax_cache_dir (M_JAX_CACHE_DIR, which every
+  MaxText run of the session reads, in this process and in the training processes it starts) points at one
+  directory per session, made by the first process (pytest-xdist's controller; its workers inherit the
+  variable) and removed when it exits; TEMOE_TEST_JAX_CACHE names a directory to keep instead. A run whose
+  program another run of the session compiled loads it (same HLO, options and jaxlib: the same executable;
+  the losses come out bit for bit the same) instead of compiling it again. MaxText's default, ~/jax_cache,
+  would carry programs over from whatever ran on the machine before, so a suite's time would depend on it."""
+  path = os.environ.get("TEMOE_TEST_JAX_CACHE")
+  if not path:
+    path = tempfile.mkdtemp(prefix="temoe-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["TEMOE_TEST_JAX_CACHE"] = path
+  os.environ["M_JAX_CACHE_DIR"] = path
+  return path
+
+
+JAX_CACHE = _session_jax_cache()
+
+
 def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
   """A MaxText HyperParameters for `config` plus `key=value` overrides, through temoe's schema."""
   import temoe  # pylint: disable=import-outside-toplevel
