@@ -7,11 +7,13 @@ its expert shape, and the stages of the profiled step no profile constant prices
 calibration constant its prediction uses was fitted to that row's config (the constant's `rows`), so it
 is not a check of that constant. published rows: DeepSeek-V3 671B runs as their publishers describe them
 (GPUs, layout, recipe), expressed as MaxText settings on the shipped 671B presets, against the published
-TFLOP/s/GPU (and tokens/s/GPU where given). one_rank rows: the predicted compute of each run of
+TFLOP/s/GPU (and tokens/s/GPU where given). target rows: temoe's best layout (`temoe plan --sweep` of the preset at
+the publisher's global batch, on the same GPUs) against the same model's prediction for the publisher's own layout,
+and issue 53's targets on 1,024 H100. one_rank rows: the predicted compute of each run of
 bench/results/one_rank.json (one rank of the job at its real shapes, network mocked) against the measured one.
 Nothing here is tuned per row.
 
-    python bench/step_model_check.py [--out bench/results/step_model_check.json] [--only one_gpu|one_rank|published]
+    python bench/step_model_check.py [--out bench/results/step_model_check.json] [--only one_gpu|one_rank|published|target]
         [--write-docs]
 """
 
@@ -114,6 +116,23 @@ PUBLISHED = [
      "CP1 VP4 EP64 GA128: 1,297 tokens/s/GPU, 338 TFLOP/s/GPU (330 with 128x128/1x128 blockwise FP8); recipe: "
      f"scripts/performance/run_script.py ({MB} fa0315ae2)", MB_2509_H100),
 ]
+PUBLISHED_EXCHANGE = ["te_moe_exchange=auto", "te_moe_chunks=1", "te_moe_ep_node_size=8"]
+"""The expert exchange every published row is planned with (the presets' own, hier and chunks, are temoe's choices,
+not the publishers'): one row a token and destination rank, unchunked, as the rows have been priced since they were
+added."""
+OTHER_LAYER = {"NVIDIA JAX + TE, 128 GB200": "its MoE layer is Transformer Engine's fused block (MaxText's te_moe_block "
+                                             "with TE's transformer_engine.jax.moe.moe), not temoe's: no overlap inside "
+                                             "the layer is priced"}
+"""Published rows whose MoE layer is not temoe's (prefix of the row name -> why), priced without the overlap temoe's
+layer allows (step_model.Job.layer_overlap)."""
+PER_DEVICE_BATCH = {"NVIDIA JAX + TE, 128 GB200": 6, "Megatron-Core paper, 256 GB300": 16,
+                    "Megatron-Core paper, 256 GB200": 16, "Megatron-Bridge 26.08, 256 GB300": 16,
+                    "Megatron-Bridge 26.08, 256 GB200": 16, "Megatron-Bridge 25.09, 1,024 H100": 8}
+"""Sequences per GPU and step of each published run (its global batch over its GPUs): temoe's best layout is swept at
+the same global batch."""
+H100_TARGET = (372.0, 0.10)
+"""Issue 53's targets on 1,024 H100: temoe's best layout at >= 372 TFLOP/s/GPU predicted (1.1x Megatron-Bridge's
+published 338), with the exposed expert exchange <= 10% of the step."""
 TOKENS = {"Megatron-Bridge 26.08, 256 GB300": 6288.0, "Megatron-Bridge 26.08, 256 GB200": 4912.0,
           "Megatron-Bridge 25.09, 1,024 H100": 1297.0}
 """Published tokens/s/GPU of the rows that give one (prefix of the row name -> value)."""
@@ -231,20 +250,82 @@ def published_rows() -> list[dict]:
 
   rows = []
   for name, gpu, config, devices, slices, settings, reference, unit, source, megatron in PUBLISHED:
+    settings = [*PUBLISHED_EXCHANGE, *settings]
     p = plan.make_plan(str(ROOT / "configs" / config), [f"num_slices={slices}", *settings], devices, gpu)
     ici, dcn = plan.mesh_split(p.config, devices)
+    other = next((why for k, why in OTHER_LAYER.items() if name.startswith(k)), "")
     job = dataclasses.replace(step_model.job_of(p.config, ici, dcn, slices, p.backend, p.quantization, p.estimate),
-                              megatron=step_model.Megatron(**megatron) if megatron else None)
+                              megatron=step_model.Megatron(**megatron) if megatron else None, layer_overlap=not other)
     calib = calibration.calibration_for(gpu)
     _, flags = step_model.xla_flags_for(calib.gpu, {})
     pred = step_model.predict(job, calib, flags)
     what = f"temoe plan configs/{config} --devices {devices} --slices {slices} --gpu {gpu} {' '.join(settings)}"
     rows.append({"name": name, "kind": "published", "fitted": False, "predicted": pred.tflops, "reference": reference,
-                 "unit": unit, "source": f"{source}; predicted: {what}"})
+                 "unit": unit, "source": f"{source}; predicted: {what}" + (f"; {other}" if other else "")})
     tokens = next((v for k, v in TOKENS.items() if name.startswith(k)), None)
     if tokens:
       rows.append({"name": f"{name}, tokens/s", "kind": "published", "fitted": False, "predicted": pred.tokens_per_s,
                    "reference": tokens, "unit": "tokens/s/GPU", "source": f"{source}; predicted: {what}"})
+  return rows
+
+
+def batch_settings(config: str, per_device: int) -> list[str]:
+  """A published run's batch (`per_device` sequences a GPU and step) on a temoe preset: microbatches of the largest
+  divisor of it not above the preset's per_device_batch_size, in gradient-accumulation steps (MaxText's
+  per_device_batch_size is one microbatch's)."""
+  from temoe.tools import planner  # pylint: disable=import-outside-toplevel
+
+  preset = int(planner.requested(str(ROOT / "configs" / config), [], "per_device_batch_size") or 1)
+  micro = max(d for d in range(1, per_device + 1) if per_device % d == 0 and d <= preset)
+  return [f"per_device_batch_size={micro}", f"gradient_accumulation_steps={per_device // micro}"]
+
+
+def target_rows(published: list[dict]) -> list[dict]:
+  """temoe's best layout (`temoe plan --sweep` of the preset at the publisher's global batch, on the same GPUs)
+  against the model's prediction for the publisher's own layout, per published run; and issue 53's H100 targets."""
+  from temoe.tools import step_model, sweep  # pylint: disable=import-outside-toplevel
+
+  predicted = {r["name"]: r["predicted"] for r in published if r["unit"] == "TFLOP/s/GPU"}
+  swept, rows = {}, []
+  for name, gpu, config, devices, slices, *_ in PUBLISHED:
+    per_device = next(v for k, v in PER_DEVICE_BATCH.items() if name.startswith(k))
+    settings = batch_settings(config, per_device)
+    key = (gpu, config, devices, slices, tuple(settings))
+    if key not in swept:
+      planned = sweep.run(str(ROOT / "configs" / config), [f"num_slices={slices}", *settings], devices, slices, gpu,
+                          None, {}, progress=open(os.devnull, "w", encoding="utf-8"))
+      swept[key] = sweep.ranked(planned)
+    what = (f"temoe plan configs/{config} --devices {devices} --slices {slices} --gpu {gpu} --sweep "
+            f"{' '.join(settings)}")
+    if not swept[key]:
+      rows.append({"name": f"temoe's best layout vs the publisher's: {name}", "kind": "target", "fitted": False,
+                   "predicted": 0.0, "reference": predicted[name], "unit": "TFLOP/s/GPU (both predicted)",
+                   "source": f"{what}: no layout fits in the memory plan; reference: this file's published row",
+                   "layout": None, "settings": settings})
+      continue
+    best = swept[key][0]
+    p = best.prediction
+    exposed = step_model.exchange_exposed(p) / p.step_seconds
+    rows.append({"name": f"temoe's best layout vs the publisher's: {name}", "kind": "target", "fitted": False,
+                 "predicted": p.tflops, "reference": predicted[name], "unit": "TFLOP/s/GPU (both predicted)",
+                 "source": f"{what}: best {best.layout.describe()}; reference: this file's published row, the "
+                           "publisher's own layout priced by the same model",
+                 "layout": best.layout.describe(), "settings": [*settings, *best.layout.overrides()],
+                 "step_s": p.step_seconds, "peak_gib": best.peak_gib, "exposed_exchange_share": exposed})
+    if gpu == "h100" and devices == 1024:
+      tflops, share = H100_TARGET
+      within = next((r for r in swept[key] if step_model.exchange_exposed(r.prediction) / r.prediction.step_seconds
+                     <= share), None)
+      rows.append({"name": f"temoe's best layout on 1,024 H100 (target {tflops:g} TFLOP/s/GPU, exposed exchange <= "
+                           f"{share:.0%})", "kind": "target", "fitted": False, "predicted": p.tflops,
+                   "reference": tflops, "unit": "TFLOP/s/GPU (predicted vs target)",
+                   "source": f"{what}: best {best.layout.describe()}, exposed exchange {exposed:.1%} of the step",
+                   "layout": best.layout.describe(), "exposed_exchange_share": exposed,
+                   "exposed_exchange_target": share,
+                   "best_within_exchange_target": None if within is None else {
+                       "layout": within.layout.describe(), "tflops_per_gpu": within.prediction.tflops,
+                       "exposed_exchange_share": step_model.exchange_exposed(within.prediction)
+                       / within.prediction.step_seconds, "peak_gib": within.peak_gib}})
   return rows
 
 
@@ -294,12 +375,15 @@ def render_one_rank_table(result: dict) -> str:
   return "\n".join(lines)
 
 
-def build(only: str | None = None) -> dict:
+def build(only: str | None = None, targets: bool = True) -> dict:
   rows, excluded = one_gpu_rows() if only in (None, "one_gpu") else ([], [])
   if only in (None, "one_rank"):
     rows += one_rank_rows()
-  if only in (None, "published"):
-    rows += published_rows()
+  if only in (None, "published", "target"):
+    published = published_rows()
+    rows += published if only != "target" else []
+    if only == "target" or (only is None and targets):
+      rows += target_rows(published)
   for r in rows:
     r["ratio"] = r["predicted"] / r["reference"]
   return {"command": " ".join(["python", "bench/step_model_check.py", *sys.argv[1:]]), "calibration":
@@ -342,7 +426,7 @@ def write_page(result: dict, page: pathlib.Path = PAGE) -> None:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(RESULTS / "step_model_check.json"))
-  parser.add_argument("--only", choices=("one_gpu", "one_rank", "published"))
+  parser.add_argument("--only", choices=("one_gpu", "one_rank", "published", "target"))
   parser.add_argument("--write-docs", "--write-readme", dest="write_docs", action="store_true",
                       help="and rewrite the table of docs/guides/planning.md from the result")
   args = parser.parse_args()
