@@ -21,10 +21,11 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE
 
-STEPS = 40
-STOP_AFTER = 4  # the signal goes out once this step is logged
+STEPS = 32  # test_preemption's pair runs this job's program (tests/runs.py's SCHEDULE): one compilation per session
+STOP_AFTER = 4  # the signal goes out once this step is logged, 27 steps before the end
+SCHEDULE = "learning_rate_schedule_steps=32"
 TRICKY = "out dir $(touch PWNED) `touch PWNED` 'q\""
 
 
@@ -51,7 +52,7 @@ def slurm(tmp_path_factory):
     subprocess.run(["bash", str(ROOT / "tests/slurm/cluster.sh"), "stop", str(state)], timeout=60, check=False)
 
 
-def wait(job_id: str, env: dict, timeout: float = 240) -> str:
+def wait(job_id: str, env: dict, timeout: float = HANG_S) -> str:
   """Waits until the job leaves the queue; returns `scontrol show job` (kept for MinJobAge)."""
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -63,7 +64,7 @@ def wait(job_id: str, env: dict, timeout: float = 240) -> str:
   pytest.fail(f"Slurm job {job_id} still queued or running after {timeout}s")
 
 
-def signal_when_logged(job_id: str, log_path, text: str, env: dict, timeout: float = 300) -> None:
+def signal_when_logged(job_id: str, log_path, text: str, env: dict, timeout: float = HANG_S) -> None:
   """`scancel --signal=TERM --batch` (the batch script only; the job runs on) once `text` is in the log."""
   deadline = time.time() + timeout
   while time.time() < deadline:
@@ -80,20 +81,21 @@ def test_two_task_cpu_job_forms_one_jax_group_learns_and_a_sigterm_requeues_it(s
       [sys.executable, "-m", "temoe.cli", "launch", "slurm", "--submit", "--name", "smoke", "--gpus-per-node", "0",
        "--tasks-per-node", "2", "--workdir", str(workdir), "--max-restarts", "1", SMOKE,
        f"base_output_directory={out}", "run_name=smoke", f"grain_train_files={smoke_data}", f"steps={STEPS}",
-       "log_period=5", f"metrics_file={out}/metrics.jsonl", "enable_checkpointing=true", "checkpoint_period=10"],
+       SCHEDULE, "log_period=5", f"metrics_file={out}/metrics.jsonl", "enable_checkpointing=true",
+       "checkpoint_period=10"],
       capture_output=True, text=True, env=slurm, cwd=ROOT, timeout=60, check=False)
   assert submit.returncode == 0, submit.stderr
   job_id = submit.stdout.strip()
   log_path = workdir / f"smoke-{job_id}.out"
   signal_when_logged(job_id, log_path, f"completed step: {STOP_AFTER},", slurm)
-  info = wait(job_id, slurm, timeout=600)
+  info = wait(job_id, slurm)
   log = log_path.read_text()
   assert "JobState=COMPLETED" in info and "Restarts=1" in info, info + log[-3000:]
 
   for rank in (0, 1):  # both tasks joined one group of two, in both attempts
     assert log.count(f"temoe: jax.distributed process {rank} of 2 (Slurm job {job_id}, 2 device(s)") == 2
   assert log.count("te_moe_block=true -> temoe MoE block") == 4 and "recipe te_no_quant, 2 device(s)" in log
-  stops = re.findall(r"temoe: training stopped after step (\d+) of 40: .*; checkpoint step \1 saved\. Exit 75", log)
+  stops = re.findall(rf"temoe: training stopped after step (\d+) of {STEPS}: .*; checkpoint step \1 saved\. Exit 75", log)
   assert len(stops) == 2 and len(set(stops)) == 1, log[-4000:]  # both tasks saved the same step, then exit 75
   assert log.count(f"restoring from this run's directory step {stops[0]}") == 2  # the requeued attempt resumed there
 
