@@ -35,6 +35,7 @@ def _session_jax_cache() -> str:
     path = tempfile.mkdtemp(prefix="temoe-jax-cache-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     os.environ["TEMOE_TEST_JAX_CACHE"] = path
+  os.makedirs(path, exist_ok=True)
   os.environ["M_JAX_CACHE_DIR"] = path
   return path
 
@@ -156,12 +157,13 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{name}: {doc}")
 
 
-LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_preemption.py", "unit/test_plan.py",
-                 "unit/test_step_model.py", "slurm/test_slurm.py", "unit/test_parity_matrix.py", "e2e/test_bench_smoke.py",
+LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_bench_smoke.py", "e2e/test_preemption.py",
+                 "unit/test_plan.py", "unit/test_step_model.py", "slurm/test_slurm.py", "unit/test_parity_matrix.py",
                  "e2e/test_failures.py", "e2e/test_overflow.py", "unit/test_parity.py", "e2e/test_train_e2e.py",
                  "e2e/test_interchange.py", "unit/test_bench_mosaic_gemm.py", "e2e/test_resume.py", "unit/test_profile.py")
-"""The files that take longest (`make test`'s --durations), longest first: the training runs, the parity
-matrix and its 4-device runs, the interpret-mode sweep. `make test` runs files whole on each worker (--dist
+"""The files that take longest (`make test`'s --durations; test_bench_smoke, alone, as long as test_reliability),
+longest first: the training runs, the parity matrix and its 4-device runs, the interpret-mode sweep. `make test`
+runs files whole on each worker (--dist
 loadfile) in collection order (--no-loadscope-reorder): these go out first, then the other training runs (e2e),
 then the short unit files, so the last files to start are short and the workers finish together. The
 session's shared runs (temoe_reference, native_reference, profiled_smoke) are asked for first by
