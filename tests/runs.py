@@ -16,14 +16,21 @@ import subprocess
 import sys
 import time
 
-from conftest import HANG_S, ROOT, SMOKE
+from conftest import HANG_S, REFERENCE_STEPS, ROOT, SMOKE
 from temoe.run import preflight
+
+SCHEDULE = f"learning_rate_schedule_steps={REFERENCE_STEPS}"
+"""Every run here follows the learning-rate schedule of the session's 32-step reference run, whatever its
+`steps`: the schedule is the only thing `steps` changes in the compiled train step, so the runs of one
+model, mesh and learning rate are one program, compiled once per session (conftest's JAX_CACHE) and loaded
+by the others. A run of fewer steps computes the reference's first steps exactly; one of more steps would add a
+zero-rate tail to the schedule (another program); an override still wins."""
 
 
 def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> list[str]:
   return [
       sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={base}", f"run_name={run}",
-      f"grain_train_files={data}", f"metrics_file={base / metrics}", *overrides,
+      f"grain_train_files={data}", f"metrics_file={base / metrics}", SCHEDULE, *overrides,
   ]
 
 
