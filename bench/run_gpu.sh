@@ -6,7 +6,7 @@
 # `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer), kept (what FP8 weight copies
 # kept from step to step would cost against today's weight passes: bench/weight_quant.py's `persistent`, for
 # the proxy's wi and wo).
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [one_rank] [proxy [--paths a,b]]
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [one_rank] [variants] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
@@ -39,6 +39,9 @@ for i in "${!stages[@]}"; do
         --timeout 200 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee "$out/one_rank.log" || rc=1
       python3 bench/one_rank.py configs/deepseek3-proxy-8gpu.yml --devices 8 --timeout 150 --out "$out" 2>&1 \
         | grep -v "^\[NO-OP\]" | tee -a "$out/one_rank.log" || rc=1 ;;
+    variants)  # the block-scaled kernels' options (fresh, col_scales, gmem_scales) against today's, with the check
+      timeout -s TERM 450 python3 bench/mosaic_gemm.py --shapes dsv3 --scaling blockwise --variants --no-comparators \
+        --out "$out" 2>&1 | tee "$out/mosaic_gemm_variants.log" || rc=1 ;;
     proxy) python3 bench/proxy_1gpu.py --out "$out" "${stages[@]:$((i+1))}" || rc=1; break ;;
   esac
 done
