@@ -56,9 +56,9 @@ def rel(a, b) -> float:
 def test_chunks_give_the_unchunked_layer_on_one_device():
   ids, args, cot = problem()
   base = {"num_experts": 8, "top_k": 2, "dtype": jnp.float32}
-  want = jax.jit(layer(MoEContext(**base), ids, cot))(*args)
+  want = jax.jit(layer(MoEContext(**base), ids, cot), compiler_options=host_mesh.FAST_COMPILE)(*args)
   for chunks in (2, 4):
-    got = jax.jit(layer(MoEContext(**base, chunks=chunks), ids, cot))(*args)
+    got = jax.jit(layer(MoEContext(**base, chunks=chunks), ids, cot), compiler_options=host_mesh.FAST_COMPILE)(*args)
     assert rel(got[0], want[0]) < TOL and all(rel(g, r) < TOL for g, r in zip(got[1], want[1])), chunks
 
 
@@ -108,8 +108,8 @@ def analyse() -> dict:
             "ep_axis": "expert", "ep_size": 4}
   report = {}
   for name, extra in (("dedup", {"exchange": "dedup"}), ("hier", {"exchange": "hier", "ep_node_size": 2})):
-    want = jax.jit(layer(MoEContext(**common, **extra), ids, cot))(*args)
-    step = jax.jit(layer(MoEContext(**common, **extra, chunks=2), ids, cot))
+    want = jax.jit(layer(MoEContext(**common, **extra), ids, cot), compiler_options=host_mesh.FAST_COMPILE)(*args)
+    step = jax.jit(layer(MoEContext(**common, **extra, chunks=2), ids, cot), compiler_options=host_mesh.FAST_COMPILE)
     got = step(*args)
     module = overlap.parse(step.lower(*args).compile().as_text())
 
