@@ -241,6 +241,8 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
   check_axes(first)
   candidates = layouts(first.num_experts, devices, slices, first.num_query_heads, int(first.per_device_batch_size),
                        int(first.pipeline_parallel_layers))
+  if not first.te_moe_block:  # MaxText's own MoE layer: its ragged exchange, unchunked
+    candidates = [c for c in candidates if c.chunks == 1 and c.exchange in ("auto", "ragged")]
   families: dict = {}
   for layout in candidates:
     families.setdefault(layout.family(), []).append(layout)
