@@ -87,3 +87,14 @@ def test_the_sweep_ranks_what_fits_and_names_what_it_refuses(capsys):
   tokens = [float(line.split()[-4].replace(",", "")) for line in ranked]
   assert tokens == sorted(tokens, reverse=True)
   assert plan.main([PROXY_8GPU, "--sweep"]) == 2
+
+
+def test_without_the_routing_bias_pipelines_are_planned_and_circular_repeats_refused(capsys):
+  assert plan.main([PROXY_8GPU, "--devices", "16", "--slices", "2", "--sweep", "--hbm-gib", "80", *NO_BIAS]) == 0
+  out = capsys.readouterr().out
+  refused = [line for line in out.splitlines() if line.strip().startswith("refused:")]
+  assert any("r2" in line and "num_pipeline_repeats > 1" in line for line in refused), refused
+  assert not any("routed_bias" in line for line in refused)
+  head = next(line for line in out.splitlines() if "layouts of 16 devices in 2 slices" in line)
+  planned = len(sweep.layouts(32, 16, 2, heads=128, batch=2, pipeline_layers=2))
+  assert head.startswith(f"temoe plan --sweep: {planned + 1} layouts") and head.count(", 1 refused;") == 1, head
