@@ -149,9 +149,10 @@ def test_a_rerun_replaces_its_own_entry_only(tmp_path):
   assert [(r["devices"], r["step_ms"]) for r in merged["runs"]] == [(16, 1.0), (8, 2.0)]
 
 
-def test_one_depth_on_host_devices(tmp_path):
+def test_one_depth_on_host_devices(tmp_path, monkeypatch):
   """The worker of one depth on 2 host devices (EP 2, tiny): MaxText's step traced, the optimized HLO dumped and
   read back, the stages adding up to the step and the exchange's all-to-alls found in the schedule."""
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the worker's: same HLO, compiled sooner
   args, overrides = one_rank.parse([SMOKE, "--devices", "2", "--cpu", "--steps", "1", "--skip", "1",
                                     "ici_expert_parallelism=2", "per_device_batch_size=2", "max_target_length=16"])
   row = one_rank.run_depth(args, overrides, 2, str(tmp_path))
