@@ -146,23 +146,48 @@ def faithful(image, engine) -> bool:
   return run.returncode == 75
 
 
+EVENT_WAIT_S = 120
+"""How long container_exit looks for the `die` event: a loaded machine's podman listed it a while after the
+client had returned (once: none yet right after a run that trained and exited)."""
+
+
 def container_exit(engine: dict, name: str, since: int) -> int | None:
   """The exit code of container `name` as the engine's `die` event gives it (None: no such event)."""
-  events = docker(engine, "events", "--since", str(since), "--until", str(int(time.time()) + 1), "--filter",
-                  f"container={name}", "--format", "{{.Action}} {{.Status}} {{.Actor.Attributes.exitCode}}",
-                  timeout=120)  # podman's Docker API answers nothing to --filter event=die: the events are picked here
-  codes = [line.split()[-1] for line in events.stdout.splitlines() if "die" in line.split()[:2]]
-  return int(codes[-1]) if codes else None
+  deadline = time.monotonic() + EVENT_WAIT_S
+  while True:
+    events = docker(engine, "events", "--since", str(since), "--until", str(int(time.time()) + 1), "--filter",
+                    f"container={name}", "--format", "{{.Action}} {{.Status}} {{.Actor.Attributes.exitCode}}",
+                    timeout=120)  # podman's Docker API answers nothing to --filter event=die: the events are picked here
+    codes = [line.split()[-1] for line in events.stdout.splitlines() if "die" in line.split()[:2]]
+    if codes or time.monotonic() > deadline:
+      return int(codes[-1]) if codes else None
+    time.sleep(1)
+
+
+@pytest.fixture(scope="session")
+def container_cache(tmp_path_factory) -> pathlib.Path:
+  """The containers' JAX compilation cache (mounted at /jax-cache, MaxText's jax_cache_dir there): the first
+  container to train compiles the smoke model, the second loads it. The containers' own: the host's programs
+  stay out, so the image compiles what it trains at least once."""
+  return tmp_path_factory.mktemp("container-jax-cache")
+
+
+FAR = 100000
+"""The SIGTERM run's steps: far beyond what runs before the signal."""
+CONTAINER_CACHE = ("jax_cache_dir=/jax-cache", f"learning_rate_schedule_steps={FAR}")
+"""Both container runs: one learning-rate schedule, so one program whatever their steps (up to FAR: more would add
+a zero-rate tail, another program)."""
 
 
 @contextlib.contextmanager
-def train_in_container(engine: dict, image: str, limits: list[str], out: pathlib.Path, *overrides: str):
+def train_in_container(engine: dict, image: str, limits: list[str], cache: pathlib.Path, out: pathlib.Path,
+                       *overrides: str):
   """`launch/docker-run.sh` training the smoke model on CPU with no network, its runs in `out`, its output in
-  out/log; yields (the process, a function returning the container's exit code); the container is removed on the
-  way out whatever happened."""
+  out/log, the compilation cache `cache`; yields (the process, a function returning the container's exit code);
+  the container is removed on the way out whatever happened."""
   name = f"temoe-image-test-{os.getpid()}-{out.name}"
   since = int(time.time()) - 1
-  proc = _start(engine, image, limits, out, name, *overrides)
+  proc = _start(engine, image, [*limits, "-v", f"{cache}:/jax-cache"], out, name, *CONTAINER_CACHE, *overrides)
   try:
     yield proc, lambda: container_exit(engine, name, since)
   finally:
@@ -183,8 +208,8 @@ def _start(engine: dict, image: str, limits: list[str], out: pathlib.Path, name:
                           stderr=subprocess.STDOUT, cwd=ROOT)
 
 
-def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, faithful, tmp_path):
-  with train_in_container(engine, image, default_limits, tmp_path, "steps=4") as (proc, container_code):
+def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, faithful, container_cache, tmp_path):
+  with train_in_container(engine, image, default_limits, container_cache, tmp_path, "steps=4") as (proc, container_code):
     code = proc.wait(1800)
     inside = container_code()
   log = (tmp_path / "log").read_text(encoding="utf-8", errors="replace")
@@ -196,11 +221,13 @@ def test_the_smoke_model_trains_in_the_container(image, engine, default_limits, 
   assert all(math.isfinite(loss) for loss in losses.values()), losses
 
 
-def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, default_limits, faithful, tmp_path):
+def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, default_limits, faithful, container_cache,
+                                                             tmp_path):
   """docker-run.sh passes the SIGTERM on to the container: temoe finishes its step, checkpoints it, exits 75, and
   docker-run.sh, stopped, does not start it again. steps is far beyond what runs before the signal."""
-  with train_in_container(engine, image, default_limits, tmp_path, "steps=100000", "enable_checkpointing=true",
-                          "checkpoint_period=100000", "async_checkpointing=false") as (proc, container_code):
+  with train_in_container(engine, image, default_limits, container_cache, tmp_path, f"steps={FAR}",
+                          "enable_checkpointing=true", f"checkpoint_period={FAR}", "async_checkpointing=false"
+                          ) as (proc, container_code):
     deadline, stepped = time.monotonic() + 1800, False
     while not stepped and proc.poll() is None and time.monotonic() < deadline:
       time.sleep(0.5)  # the run cannot finish meanwhile: the signal may come late, never too late
@@ -214,7 +241,7 @@ def test_sigterm_to_the_container_saves_the_step_and_exits_75(image, engine, def
   temoe_lines = runs.temoe_lines(log)
   assert inside == 75, f"the container exited {inside}\n{log[-6000:]}"
   assert code == 75 or (not faithful and code == 0), f"docker-run.sh exited {code}\n{log[-6000:]}"
-  stop = re.search(r"training stopped after step (\d+) of 100000: SIGTERM \(preemption or a stop request\); "
+  stop = re.search(rf"training stopped after step (\d+) of {FAR}: SIGTERM \(preemption or a stop request\); "
                    r"checkpoint step (\d+) saved\. Exit 75 \(requeue\)", temoe_lines[-1] if temoe_lines else "")
   assert stop and stop.group(1) == stop.group(2), log[-6000:]
   assert runs.finalized_steps(tmp_path / "run" / "checkpoints")[-1] == int(stop.group(1))
