@@ -39,10 +39,26 @@ def fill_mesh_axes(parallelism: list[int], devices: int, name: str) -> list[int]
 
 
 def abstract_state(config, mesh):
-  """MaxText's abstract train state (nnx.State of ShapeDtypeStructs with shardings), nothing allocated."""
-  from maxtext.trainers.pre_train import train_compile  # pylint: disable=import-outside-toplevel
+  """MaxText's abstract train state (nnx.State of ShapeDtypeStructs with shardings), nothing allocated.
 
-  (state, _), _, _, _, _ = train_compile.get_shaped_inputs(mesh, config)
+  The state as `train_compile.get_shaped_inputs` makes it, from the same MaxText calls (abstract model,
+  optimizer, `get_abstract_state` of model + optimizer), without what a plan does not read: that function's
+  third trace of the train state (for its graphdef) and the shaped batch, about half of a plan's time."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.common import train_state_nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.optimizers import optimizers  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  tx = optimizers.get_optimizer(config, maxtext_utils.create_learning_rate_schedule(config), model, mesh=mesh)
+  lora = getattr(getattr(config, "lora", None), "enable_lora", False)
+  wrt = getattr(nnx, "LoRAParam", nnx.Param) if lora else nnx.Param
+
+  def train_state():
+    module = create_model()
+    return train_state_nnx.TrainStateNNX(module, nnx.Optimizer(module, tx, wrt=wrt))
+
+  state, _, _ = maxtext_utils.get_abstract_state(config, mesh, train_state, True)
   return state
 
 
