@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from conftest import maxtext_config
+from host_mesh import FAST_COMPILE  # both blocks compiled alike: the same HLO, XLA:CPU's LLVM at -O0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,7 @@ def _forward_and_grads(layer, mesh, x, cotangent):
     return objective, (out, lb_loss, bias_updates, sown)
 
   with jax.set_mesh(mesh):
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), compiler_options=FAST_COMPILE)
     (_, (out, lb_loss, bias_updates, sown)), grads = step(params, x)
   if bias_updates is None:  # temoe sows the update where MaxText's train step looks for it
     leaves = [v for p, v in jax.tree_util.tree_leaves_with_path(sown) if "moe_bias_updates" in jax.tree_util.keystr(p)]
@@ -210,7 +211,7 @@ def expert_counts(layer, mesh, x) -> list[int]:
 
   moe = routed(layer)
   with nn_partitioning.axis_rules(moe.config.logical_axis_rules), jax.set_mesh(mesh):
-    experts = jax.jit(lambda x: moe.get_topk(*moe.gate(x))[1])(x)
+    experts = jax.jit(lambda x: moe.get_topk(*moe.gate(x))[1], compiler_options=FAST_COMPILE)(x)
   return np.bincount(np.asarray(experts).ravel(), minlength=moe.num_experts).tolist()
 
 
