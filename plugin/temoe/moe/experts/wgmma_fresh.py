@@ -166,8 +166,8 @@ def _first_instructions(value) -> list:
 
 def _overwrite(asm) -> None:
   """use_out = 0 and undefined accumulator inputs for this wgmma instruction."""
-  from jax._src.lib.mlir import ir  # pylint: disable=import-outside-toplevel
-  from jax._src.lib.mlir.dialects import llvm  # pylint: disable=import-outside-toplevel
+  from jaxlib.mlir import ir  # pylint: disable=import-outside-toplevel  # as Mosaic GPU imports it
+  from jaxlib.mlir.dialects import llvm  # pylint: disable=import-outside-toplevel
 
   constraints = _attr(asm, "constraints").split(",")
   outputs = sum(c.startswith("=") for c in constraints)
