@@ -41,7 +41,7 @@ def main() -> None:
   parser.add_argument("--gpu", choices=sorted(hardware.GPUS))
   args, overrides = parser.parse_known_args()
   devices = args.nodes * args.gpus_per_node
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
   sys.path.insert(0, os.path.dirname(__file__))
   from conftest import maxtext_config  # pylint: disable=import-outside-toplevel
   from temoe.tools import model_size  # pylint: disable=import-outside-toplevel

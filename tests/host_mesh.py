@@ -17,9 +17,9 @@ bit), compiled in 60% of the CPU time; at these shapes compiling is most of a te
 
 def run_script(path: str, tag: str, devices: int, *args: str, cwd: str | None = None) -> dict | list:
   """`python path *args` on `devices` host devices; the JSON after `tag ` on its stdout."""
-  from conftest import HANG_S  # pylint: disable=import-outside-toplevel  (host_mesh is imported by scripts too)
+  from conftest import HANG_S, xla_flags  # pylint: disable=import-outside-toplevel  (host_mesh is imported by scripts too)
 
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(devices), "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, env=env, cwd=cwd,
                         timeout=HANG_S)
   lines = [l for l in proc.stdout.splitlines() if l.startswith(tag + " ")]

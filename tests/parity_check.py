@@ -326,10 +326,10 @@ def four_device_reports(tmp_path_factory) -> dict:
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
 
-  from conftest import HANG_S, once_per_session  # pylint: disable=import-outside-toplevel
+  from conftest import HANG_S, once_per_session, xla_flags  # pylint: disable=import-outside-toplevel
 
   def produce(_):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, os.path.join(here, "parity_check.py"), "--runs", ",".join(FOUR_DEVICE_RUNS)],
                           capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S)

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from conftest import HANG_S, ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE, xla_flags
 
 TOL = 1e-5
 COMMON = ("dataset_type=synthetic", "steps=3", "log_period=1", "enable_tensorboard=false", "override_model_config=true",
@@ -23,7 +23,7 @@ NATIVE = ("ici_fsdp_parallelism=2", "te_moe_block=false", "te_gmm_quantization="
 
 
 def losses(tmp_path, name, overrides) -> list[dict]:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
   metrics = tmp_path / f"{name}.jsonl"
   proc = subprocess.run([sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={tmp_path}",
                          f"run_name={name}", f"metrics_file={metrics}", *COMMON, *overrides],

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from conftest import HANG_S, SMOKE, run_temoe
+from conftest import HANG_S, SMOKE, run_temoe, xla_flags
 
 HERE = os.path.dirname(os.path.dirname(__file__))  # tests/, where the helper modules live
-FOUR_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+FOUR_DEVICES = {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
 
 SKEW_PROBE = r"""
 import json, sys

@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from conftest import REFERENCE_STEPS, SMOKE, run_temoe
+from conftest import REFERENCE_STEPS, SMOKE, run_temoe, xla_flags
 from temoe.run import data
 
 
@@ -45,7 +45,7 @@ def test_expert_parallel_training_on_8_host_devices_matches(temoe_reference, tmp
   result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=ep", f"grain_train_files={smoke_data}",
                      f"metrics_file={metrics}", f"steps={REFERENCE_STEPS}", "ici_expert_parallelism=4",
                      "ici_fsdp_parallelism=2", "per_device_batch_size=1",
-                     env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+                     env={"XLA_FLAGS": xla_flags(8)})
   assert result.returncode == 0, result.stderr[-4000:]
   assert "8 device(s)" in result.stderr + result.stdout
   rows = [json.loads(line) for line in metrics.read_text().splitlines()]

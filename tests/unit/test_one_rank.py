@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import HANG_S, ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE, xla_flags
 from temoe.tools import hlo_schedule
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -149,10 +149,9 @@ def test_a_rerun_replaces_its_own_entry_only(tmp_path):
   assert [(r["devices"], r["step_ms"]) for r in merged["runs"]] == [(16, 1.0), (8, 2.0)]
 
 
-def test_one_depth_on_host_devices(tmp_path, monkeypatch):
+def test_one_depth_on_host_devices(tmp_path):
   """The worker of one depth on 2 host devices (EP 2, tiny): MaxText's step traced, the optimized HLO dumped and
   read back, the stages adding up to the step and the exchange's all-to-alls found in the schedule."""
-  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")  # the worker's: same HLO, compiled sooner
   args, overrides = one_rank.parse([SMOKE, "--devices", "2", "--cpu", "--steps", "1", "--skip", "1",
                                     "ici_expert_parallelism=2", "per_device_batch_size=2", "max_target_length=16"])
   row = one_rank.run_depth(args, overrides, 2, str(tmp_path))
@@ -253,7 +252,7 @@ def test_under_the_mock_each_peer_routes_as_this_rank():
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
 
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
   done = subprocess.run([sys.executable, "-c", OWN_COUNTS], capture_output=True, text=True, cwd=ROOT, env=env,
                         timeout=HANG_S, check=False)
   assert done.returncode == 0, done.stderr[-2000:]

@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from conftest import HANG_S, ROOT, SMOKE
+from conftest import HANG_S, ROOT, SMOKE, xla_flags
 from temoe.tools import plan
 
 TOLERANCE = plan.TOLERANCE
 """The estimate is within 15% of the measured peak (both ways)."""
 
 def start_measuring(devices: int, *cases: str) -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+  env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
   return subprocess.Popen([sys.executable, str(ROOT / "tests" / "plan_measure.py"), *cases], cwd=ROOT, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
