@@ -18,7 +18,8 @@ per-category step breakdown (attention, router, dispatch, experts, combine, dens
 idle) and its difference between the first two profiled paths; each trace is copied beside the JSON,
 and `--analyse` fills the breakdown in from those copies on another machine if the analysis could not
 run where the traces were taken. `--smoke`: the same code on this CPU at a tiny size (tokamax has no
-CPU kernel there: MaxText's own ragged_dot stands in; FP8 paths need a GPU).
+CPU kernel there: MaxText's own ragged_dot stands in; FP8 paths need a GPU; a profiled path trains its
+--steps in its profile run, one process fewer).
 
     python bench/small_model.py [--paths temoe_fp8,temoe_bf16,tokamax] [--steps 30] [--data learnable]
         [--profile] [--out bench/results] [key=value ...]
@@ -96,11 +97,12 @@ def args_of(path: str, extra: list[str]) -> list[str]:
   return [CONFIG, *COMMON, *PATHS[path], *extra]
 
 
-def profile(path: str, extra: list[str], workdir: str, out: str, timeout: int) -> dict:
-  """`temoe profile` of `path` in a fresh process: its step breakdown, and a copy of its trace in `out`."""
+def profile(path: str, extra: list[str], workdir: str, out: str, timeout: int, skip: int = PROFILE_SKIP) -> dict:
+  """`temoe profile` of `path` in a fresh process (`skip` steps, then PROFILE_STEPS traced): its step breakdown,
+  and a copy of its trace in `out`."""
   run_dir = os.path.join(workdir, "profile", path)
   cmd = [sys.executable, "-m", "temoe.cli", "profile", *args_of(path, extra), "--out", run_dir,
-         "--skip", str(PROFILE_SKIP), "--steps", str(PROFILE_STEPS)]
+         "--skip", str(skip), "--steps", str(PROFILE_STEPS)]
   start = time.monotonic()
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -117,6 +119,17 @@ def profile(path: str, extra: list[str], workdir: str, out: str, timeout: int) -
   else:
     row["error"] = training_runs.error_of(proc)
   return row
+
+
+def trained_in_profile(path: str, workdir: str, profiled: dict, loss_window: int) -> dict:
+  """--smoke: `path`'s row from the metrics of its profile run, which trained the path's --steps (one process
+  fewer on this CPU, where the numbers time nothing). On a GPU every path trains in a process of its own,
+  unprofiled: a trace slows the steps it covers."""
+  metrics = pathlib.Path(workdir, "profile", path, "metrics.jsonl")
+  rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.exists() else []
+  if "error" in profiled or not rows:
+    return {"error": profiled.get("error", "the profile run wrote no metrics rows"), "wall_s": profiled.get("wall_s")}
+  return {**training_runs.summary(rows, loss_window), "peak_hbm_gib": None, "wall_s": profiled["wall_s"]}
 
 
 def breakdown_fields(result: dict) -> dict:
@@ -217,15 +230,23 @@ def main(argv: list[str] | None = None) -> int:
     result["ratios"] = ratios(result["paths"])
     pathlib.Path(out_json).write_text(json.dumps(result, indent=1))
 
+  profiles = {}
+  if args.profile:
+    result["profile"] = profiles
+  in_profile = set(args.profile_paths.split(",")) if args.profile and args.smoke else set()
   for path in args.paths.split(","):
-    result["paths"][path] = training_runs.measure(path, args_of(path, extra), args.steps, workdir, args.timeout,
-                                                  loss_window=window)
+    if path in in_profile:  # --smoke: the path trains in its profile run, the last PROFILE_STEPS steps traced
+      profiles[path] = profile(path, extra, workdir, args.out, args.timeout, skip=args.steps - PROFILE_STEPS)
+      result["paths"][path] = trained_in_profile(path, workdir, profiles[path], window)
+    else:
+      result["paths"][path] = training_runs.measure(path, args_of(path, extra), args.steps, workdir, args.timeout,
+                                                    loss_window=window)
     print(path, json.dumps(result["paths"][path]), flush=True)
     save()
   if args.profile:
-    result["profile"] = {}
     for path in args.profile_paths.split(","):
-      result["profile"][path] = profile(path, extra, workdir, args.out, args.timeout)
+      if path not in profiles:
+        profiles[path] = profile(path, extra, workdir, args.out, args.timeout)
       print("profile", path, json.dumps({k: v for k, v in result["profile"][path].items() if k != "top_ops"}), flush=True)
       result["profile_difference"] = profile_difference(result["profile"])
       save()
