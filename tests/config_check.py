@@ -1,11 +1,15 @@
-"""Validates one config the way MaxText would on its target cluster, in a fresh process; prints JSON.
+"""Validates configs the way MaxText would on their target clusters, each in a fresh process; prints JSON.
 
     python tests/config_check.py CONFIG --nodes N --gpus-per-node G [--slices S] [--gpu KIND] [key=value ...]
+    python tests/config_check.py --batch < checks.json     (a JSON list of such argument lists)
 
-The process simulates the cluster's device count (XLA's host-platform devices), and, with --gpu,
+Each check's process simulates the cluster's device count (XLA's host-platform devices), and, with --gpu,
 the GPU temoe's recipe checks see; then MaxText's pyconfig validates the config and MaxText's
 create_device_mesh lays its mesh over stand-ins for the cluster's GPUs: one process each, grouped
 in `--slices` slices (XLA gives GPUs one slice per node), which is how MaxText splits ICI and DCN.
+--batch imports MaxText once and forks a child per check before any JAX backend exists, so each check still
+starts with no devices, no config and no recipe-check target of another: the same as a fresh process, without
+importing MaxText again (most of a check's time). It prints `CONFIG_CHECK <i> <json>` for the i-th check.
 """
 
 from __future__ import annotations
@@ -32,14 +36,19 @@ class GpuStandIn:
   platform: str = "gpu"
 
 
-def main() -> None:
+def parse(argv: list[str]):
   parser = argparse.ArgumentParser()
   parser.add_argument("config")
   parser.add_argument("--nodes", type=int, default=1)
   parser.add_argument("--gpus-per-node", type=int, default=1)
   parser.add_argument("--slices", type=int)
   parser.add_argument("--gpu", choices=sorted(hardware.GPUS))
-  args, overrides = parser.parse_known_args()
+  return parser.parse_known_args(argv)
+
+
+def check(argv: list[str]) -> dict:
+  """One check, in a process whose JAX backend does not exist yet (it sets the device count)."""
+  args, overrides = parse(argv)
   devices = args.nodes * args.gpus_per_node
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
   sys.path.insert(0, os.path.dirname(__file__))
@@ -55,8 +64,7 @@ def main() -> None:
   try:
     config = maxtext_config(*([f"num_slices={slices}"] if args.gpu else []), *overrides, config=args.config)
   except Exception as exc:  # pylint: disable=broad-exception-caught
-    print("CONFIG_CHECK " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-    return
+    return {"error": f"{type(exc).__name__}: {exc}"}
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
 
   stand_ins = None
@@ -66,10 +74,9 @@ def main() -> None:
   try:
     mesh = maxtext_utils.create_device_mesh(config, stand_ins)
   except (ValueError, AssertionError) as exc:
-    print("CONFIG_CHECK " + json.dumps({"error": f"mesh: {exc}"}))
-    return
+    return {"error": f"mesh: {exc}"}
   size = model_size.count(config)
-  print("CONFIG_CHECK " + json.dumps({
+  return {
       "mesh": dict(zip(config.mesh_axes, mesh.shape)),
       "mesh_devices": int(mesh.size),
       "distinct_devices": len({d.id for d in mesh.flat}),
@@ -80,7 +87,54 @@ def main() -> None:
       "active_params": size.active,
       "offloaded": list(config.tensors_to_offload or []),
       "keys": {k: v for k, v in config.get_keys().items() if isinstance(v, (str, int, float, bool))},
-  }))
+  }
+
+
+def batch(checks: list[list[str]]) -> None:
+  """Each check in a child forked from this process once MaxText is imported (no JAX backend, no thread yet)."""
+  import importlib  # pylint: disable=import-outside-toplevel
+
+  sys.path.insert(0, os.path.dirname(__file__))
+  import conftest  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (before MaxText)
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+
+  # what a check imports: MaxText's modules temoe.register() checks (imported, not hooked), temoe's own
+  for name in [*seams.TOUCHPOINTS, *(m for m, _ in seams.CLASS_ATTRIBUTES), "maxtext.configs.pyconfig",
+               "maxtext.utils.maxtext_utils", "temoe.maxtext.adapter", "temoe.maxtext.checkpointing",
+               "temoe.maxtext.batches", "temoe.maxtext.metrics", "temoe.maxtext.router", "temoe.tools.model_size"]:
+    importlib.import_module(name)
+  assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
+  for i, argv in enumerate(checks):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one check, its line through the pipe, and out without the parent's exit handlers
+      os.close(read)
+      code = 0
+      try:
+        line = json.dumps(check(argv))
+      except BaseException as exc:  # pylint: disable=broad-exception-caught
+        line, code = json.dumps({"crash": f"{type(exc).__name__}: {exc}"}), 1
+      with os.fdopen(write, "w", encoding="utf-8") as out:
+        out.write(line)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)  # pylint: disable=protected-access
+    os.close(write)
+    with os.fdopen(read, encoding="utf-8") as got:
+      line = got.read()
+    _, status = os.waitpid(pid, 0)
+    if not line:
+      line = json.dumps({"crash": f"check process ended with status {status} and no result"})
+    print(f"CONFIG_CHECK {i} {line}", flush=True)
+
+
+def main() -> None:
+  if sys.argv[1:] == ["--batch"]:
+    batch(json.load(sys.stdin))
+  else:
+    print("CONFIG_CHECK " + json.dumps(check(sys.argv[1:])))
 
 
 if __name__ == "__main__":

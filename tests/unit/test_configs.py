@@ -1,9 +1,9 @@
 """Every config in configs/ passes MaxText's own validation on the cluster it is written for.
 
-Each check runs tests/config_check.py in a fresh process that simulates the cluster's device count,
-lets temoe's recipe checks see the target GPU, validates through MaxText's pyconfig, and lays
-MaxText's mesh over the cluster's GPUs (one slice per node, as XLA reports GPUs): the mesh must
-hold exactly the cluster's GPUs. The 671B presets must hold DeepSeek-V3's 671B parameters with
+Each check runs tests/config_check.py in a fresh process (forked from one that imported MaxText, before any JAX
+backend) that simulates the cluster's device count, lets temoe's recipe checks see the target GPU, validates
+through MaxText's pyconfig, and lays MaxText's mesh over the cluster's GPUs (one slice per node, as XLA reports
+GPUs): the mesh must hold exactly the cluster's GPUs. The 671B presets must hold DeepSeek-V3's 671B parameters with
 37B active per token, counted from their shapes by temoe.tools.model_size, which must itself agree with
 the parameter tree MaxText builds.
 """
@@ -22,18 +22,17 @@ from conftest import HANG_S, ROOT, SMOKE, maxtext_config
 from temoe.tools import model_size
 
 CONFIGS = ROOT / "configs"
+sys.path.insert(0, str(ROOT / "bench"))
+import proxy_1gpu  # noqa: E402  # pylint: disable=wrong-import-position
+
 MAXTEXT_CONFIGS = pathlib.Path(__import__("maxtext").__file__).parent / "configs"
 
 
-def check(config, *overrides: str, nodes: int = 1, gpus_per_node: int = 1, gpu: str | None = None,
-          slices: int | None = None) -> dict:
-  cmd = [sys.executable, str(ROOT / "tests" / "config_check.py"), str(config), "--nodes", str(nodes),
-         "--gpus-per-node", str(gpus_per_node), *(["--gpu", gpu] if gpu else []),
-         *(["--slices", str(slices)] if slices else []), *overrides]
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("CONFIG_CHECK ")]
-  assert lines, done.stderr[-3000:]
-  return json.loads(lines[-1].split(" ", 1)[1])
+def argv(config, *overrides: str, nodes: int = 1, gpus_per_node: int = 1, gpu: str | None = None,
+         slices: int | None = None) -> list[str]:
+  """tests/config_check.py's arguments for one check."""
+  return [str(config), "--nodes", str(nodes), "--gpus-per-node", str(gpus_per_node), *(["--gpu", gpu] if gpu else []),
+          *(["--slices", str(slices)] if slices else []), *overrides]
 
 
 def mesh_of(result: dict) -> dict:
@@ -51,9 +50,40 @@ PRESETS = [  # config, nodes, GPUs per node, GPU, slices the runtime reports, ha
 ]
 
 
+CHECKS = {
+    **{f"{name} {hardware}": argv(CONFIGS / name, f"hardware={hardware}", nodes=nodes, gpus_per_node=gpus, gpu=gpu,
+                                  slices=slices) for name, nodes, gpus, gpu, slices, hardware, _ in PRESETS},
+    "gb200 preset on h100": argv(CONFIGS / "deepseek3-671b-gb200x256.yml", nodes=64, gpus_per_node=4, gpu="h100"),
+    "h100 preset on 64 GPUs": argv(CONFIGS / "deepseek3-671b-h100x1024.yml", nodes=8, gpus_per_node=8, gpu="h100"),
+    "8-GPU proxy": argv(CONFIGS / "deepseek3-proxy-8gpu.yml", nodes=1, gpus_per_node=8, gpu="h100"),
+    "1-GPU proxy": argv(CONFIGS / "deepseek3-proxy-1gpu.yml", gpu="h100"),
+    "benchmark's proxy flags": argv(MAXTEXT_CONFIGS / "base.yml", *proxy_1gpu.PROXY, gpu="h100"),
+    "cpu smoke": argv(SMOKE),
+}
+"""Every check of this file: name -> tests/config_check.py's arguments."""
+
+
+@pytest.fixture(scope="module")
+def checked() -> dict[str, dict]:
+  """Each check's result, each from its own process (forked, before any JAX backend, from one that imported
+  MaxText once: config_check.py --batch)."""
+  names = list(CHECKS)
+  done = subprocess.run([sys.executable, str(ROOT / "tests" / "config_check.py"), "--batch"], cwd=ROOT,
+                        input=json.dumps([CHECKS[n] for n in names]), capture_output=True, text=True, timeout=HANG_S)
+  results = {}
+  for line in done.stdout.splitlines():
+    if line.startswith("CONFIG_CHECK "):
+      index, result = line.split(" ", 2)[1:]
+      results[names[int(index)]] = json.loads(result)
+  assert done.returncode == 0 and len(results) == len(names), done.stderr[-3000:]
+  crashed = {n: r["crash"] for n, r in results.items() if "crash" in r}
+  assert not crashed, crashed
+  return results
+
+
 @pytest.mark.parametrize("name,nodes,gpus,gpu,slices,hardware,mesh", PRESETS)
-def test_671b_preset_fills_its_cluster_and_is_deepseek_v3(name, nodes, gpus, gpu, slices, hardware, mesh):
-  result = check(CONFIGS / name, f"hardware={hardware}", nodes=nodes, gpus_per_node=gpus, gpu=gpu, slices=slices)
+def test_671b_preset_fills_its_cluster_and_is_deepseek_v3(checked, name, nodes, gpus, gpu, slices, hardware, mesh):
+  result = checked[f"{name} {hardware}"]
   assert mesh_of(result) == mesh
   assert result["mesh_devices"] == result["distinct_devices"] == result["num_target_devices"] == nodes * gpus
   assert result["global_batch"] == nodes * gpus * result["keys"]["per_device_batch_size"]
@@ -64,32 +94,29 @@ def test_671b_preset_fills_its_cluster_and_is_deepseek_v3(name, nodes, gpus, gpu
   assert result["keys"]["te_gmm_quantization"] == {"gb200": "te_mxfp8", "h100": "te_fp8_current", "h200": "te_fp8_current"}[gpu]
 
 
-def test_a_preset_on_the_wrong_gpu_or_cluster_is_rejected():
-  wrong_gpu = check(CONFIGS / "deepseek3-671b-gb200x256.yml", nodes=64, gpus_per_node=4, gpu="h100")
+def test_a_preset_on_the_wrong_gpu_or_cluster_is_rejected(checked):
+  wrong_gpu = checked["gb200 preset on h100"]
   assert "te_mxfp8 needs Blackwell" in wrong_gpu["error"]
-  too_few = check(CONFIGS / "deepseek3-671b-h100x1024.yml", nodes=8, gpus_per_node=8, gpu="h100")
+  too_few = checked["h100 preset on 64 GPUs"]
   assert too_few["error"].startswith("mesh:")  # DCN FSDP 16 cannot fit 8 nodes
 
 
-def test_one_node_proxy_fills_8_gpus():
-  result = check(CONFIGS / "deepseek3-proxy-8gpu.yml", nodes=1, gpus_per_node=8, gpu="h100")
+def test_one_node_proxy_fills_8_gpus(checked):
+  result = checked["8-GPU proxy"]
   assert mesh_of(result) == {"expert": 8}
   assert result["mesh_devices"] == result["distinct_devices"] == result["num_target_devices"] == 8
   assert result["keys"]["num_experts"] // 8 == 256 // 64  # experts per GPU as in the 671B presets
 
 
-def test_1gpu_proxy_is_the_benchmarks_proxy():
+def test_1gpu_proxy_is_the_benchmarks_proxy(checked):
   """The benchmark trains the shipped config itself; its stock paths (MaxText's 671B shapes cut down
   by flags) describe the same model."""
-  sys.path.insert(0, str(ROOT / "bench"))
-  import proxy_1gpu  # pylint: disable=import-outside-toplevel
-
   assert proxy_1gpu.PATHS["temoe_fp8"] == (str(CONFIGS / "deepseek3-proxy-1gpu.yml"), [], False)
   assert proxy_1gpu.PATHS["stock_best"][0] == proxy_1gpu.PATHS["temoe_fp8"][0]
-  ours = check(CONFIGS / "deepseek3-proxy-1gpu.yml", gpu="h100")
+  ours = checked["1-GPU proxy"]
   assert ours["mesh_devices"] == ours["num_target_devices"] == 1
   flags = proxy_1gpu.PROXY
-  bench = check(MAXTEXT_CONFIGS / "base.yml", *flags, gpu="h100")
+  bench = checked["benchmark's proxy flags"]
   shape = ["emb_dim", "num_query_heads", "mlp_dim", "moe_mlp_dim", "num_decoder_layers", "first_num_dense_layers",
            "num_experts", "num_experts_per_tok", "shared_experts", "q_lora_rank", "kv_lora_rank", "vocab_size"]
   keys = [f.split("=")[0] for f in flags if f.split("=")[0] not in ("model_name", "override_model_config",
@@ -99,8 +126,8 @@ def test_1gpu_proxy_is_the_benchmarks_proxy():
   assert ours["total_params"] == bench["total_params"]
 
 
-def test_cpu_smoke_config_validates_on_one_cpu_device():
-  result = check(SMOKE)
+def test_cpu_smoke_config_validates_on_one_cpu_device(checked):
+  result = checked["cpu smoke"]
   assert mesh_of(result) == {} and result["mesh_devices"] == result["num_target_devices"] == 1
   assert result["keys"]["te_moe_block"] and result["keys"]["hardware"] == "cpu"
 
