@@ -41,15 +41,19 @@ def fill_mesh_axes(parallelism: list[int], devices: int, name: str) -> list[int]
 def abstract_state(config, mesh):
   """MaxText's abstract train state (nnx.State of ShapeDtypeStructs with shardings), nothing allocated.
 
-  The state as `train_compile.get_shaped_inputs` makes it, from the same MaxText calls (abstract model,
-  optimizer, `get_abstract_state` of model + optimizer), without what a plan does not read: that function's
-  third trace of the train state (for its graphdef) and the shaped batch, about half of a plan's time."""
+  The state as `train_compile.get_shaped_inputs` makes it, from the same MaxText calls (model, optimizer,
+  `get_abstract_state` of model + optimizer), without what a plan does not read: that function's third trace of
+  the train state (for its graphdef) and the shaped batch, about half of a plan's time; and, unless the optimizer
+  is muon (whose dimension numbers MaxText reads off the abstract model), its trace of the model alone."""
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from maxtext.common import train_state_nnx  # pylint: disable=import-outside-toplevel
   from maxtext.optimizers import optimizers  # pylint: disable=import-outside-toplevel
   from maxtext.utils import maxtext_utils, model_creation_utils  # pylint: disable=import-outside-toplevel
 
-  create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  if config.opt_type == "muon":  # the optimizer reads the abstract model for muon's dimension numbers only
+    create_model, model = model_creation_utils.create_nnx_abstract_model(config, mesh)
+  else:  # no trace of the model alone: a third of a plan's time
+    create_model, model = model_creation_utils.get_nnx_create_model_fn(config, mesh), None
   tx = optimizers.get_optimizer(config, maxtext_utils.create_learning_rate_schedule(config), model, mesh=mesh)
   lora = getattr(getattr(config, "lora", None), "enable_lora", False)
   wrt = getattr(nnx, "LoRAParam", nnx.Param) if lora else nnx.Param
