@@ -23,8 +23,13 @@ import time
 import pytest
 from conftest import HANG_S, ROOT, SMOKE
 
-STEPS = 32  # test_preemption's pair runs this job's program (tests/runs.py's SCHEDULE): one compilation per session
-STOP_AFTER = 4  # the signal goes out once this step is logged, 27 steps before the end
+STEPS = 12
+"""A step of this two-process program costs ~1.5 CPU-s here (both processes, program loaded: 63.3 CPU-s for a
+12-step run, 92.7 for a 32-step one), so the job runs 12 steps, not the schedule's 32: the 2-process run's loss
+falls 5.94 -> 3.78 between the means of its first and last 4 of 12 steps (2.16 > the 1.5 asserted). The schedule
+stays the 32-step one (SCHEDULE): the program is test_preemption's pair's, compiled once per session, and a run of
+fewer steps computes that run's first steps exactly."""
+STOP_AFTER = 4  # the signal goes out once this step is logged, 7 steps (>= 7 s here) before the end
 SCHEDULE = "learning_rate_schedule_steps=32"
 TRICKY = "out dir $(touch PWNED) `touch PWNED` 'q\""
 
