@@ -1,10 +1,13 @@
 """Measures the train step's memory on this host's devices and prints it beside `temoe.tools.hbm`'s estimate.
 
-    python tests/plan_measure.py CASE [CASE ...]     (cases: plan_measure.CASES; one JSON line each)
+    python tests/plan_measure.py [--devices N] CASE [CASE ...] [--devices M CASE ...]   (one JSON line each)
 
-JAX's CPU devices report no memory_stats(), so the measure is XLA's own account of the compiled step
-(MaxText's train_compile path, on this host's devices): compiled.memory_analysis() arguments +
-outputs - donated aliases + temporaries (its peak_memory_in_bytes on CPU counts the arguments only).
+Cases: plan_measure.CASES. Each `--devices N` group runs in its own child with N host devices (XLA's
+host-platform devices), forked from this process once MaxText is imported and before any JAX backend exists,
+so the groups share one import of MaxText and run side by side. JAX's CPU devices report no memory_stats(), so
+the measure is XLA's own account of the compiled step (MaxText's train_compile path, on this host's devices):
+compiled.memory_analysis() arguments + outputs - donated aliases + temporaries (its peak_memory_in_bytes on CPU
+counts the arguments only).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 
 CASES = {  # name -> MaxText overrides of the smoke config
     "smoke": [],  # the MoE layer's buffers dominate (XLA's dense ragged_dot)
@@ -66,7 +70,63 @@ def measure(case: str) -> dict:
   }
 
 
-if __name__ == "__main__":
+def groups(argv: list[str]) -> list[tuple[int, list[str]]]:
+  """[(devices, cases)] of the command line (cases before any --devices: 1 device)."""
+  out, devices = [], 1
+  items = iter(argv)
+  for item in items:
+    if item == "--devices":
+      devices = int(next(items))
+    elif out and out[-1][0] == devices:
+      out[-1][1].append(item)
+    else:
+      out.append((devices, [item]))
+  return out
+
+
+def run_group(devices: int, cases: list[str], write: int) -> None:
+  """In a forked child: `cases` on `devices` host devices, a PLAN_MEASURE line each through `write`; exits."""
+  code = 0
+  with os.fdopen(write, "w", encoding="utf-8") as out:
+    try:
+      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+      for name in cases:
+        out.write("PLAN_MEASURE " + json.dumps(measure(name)) + "\n")
+        out.flush()
+    except BaseException:  # pylint: disable=broad-exception-caught
+      traceback.print_exc()
+      code = 1
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access  (not the parent's exit handlers)
+
+
+def main(argv: list[str]) -> int:
   sys.path.insert(0, os.path.dirname(__file__))
-  for name in sys.argv[1:]:
-    print("PLAN_MEASURE " + json.dumps(measure(name)), flush=True)
+  import conftest  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  import temoe  # pylint: disable=import-outside-toplevel
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.pre_train import train_compile  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+
+  temoe.register()
+  assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
+  children = []
+  for devices, cases in groups(argv):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+      os.close(read)
+      run_group(devices, cases, write)
+    os.close(write)
+    children.append((pid, read))
+  failed = 0
+  for pid, read in children:
+    with os.fdopen(read, encoding="utf-8") as got:
+      sys.stdout.write(got.read())
+    failed |= os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+  sys.stdout.flush()
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

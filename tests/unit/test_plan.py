@@ -8,33 +8,27 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
-from conftest import HANG_S, ROOT, SMOKE, xla_flags
+from conftest import HANG_S, ROOT, SMOKE
 from temoe.tools import plan
 
 TOLERANCE = plan.TOLERANCE
 """The estimate is within 15% of the measured peak (both ways)."""
 
-def start_measuring(devices: int, *cases: str) -> subprocess.Popen:
-  env = {**os.environ, "XLA_FLAGS": xla_flags(devices)}
-  return subprocess.Popen([sys.executable, str(ROOT / "tests" / "plan_measure.py"), *cases], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 @pytest.fixture(scope="module")
 def cpu_peaks():
-  """{case: measured and estimated bytes}, from two processes (1 and 4 host devices) run side by side."""
-  procs = [start_measuring(1, "smoke", "loss", "seq_256", "batch_16", "remat_minimal", "unrolled"),
-           start_measuring(4, "fsdp_state", "expert_parallel")]
-  rows = {}
-  for proc in procs:
-    out, err = proc.communicate(timeout=HANG_S)
-    assert proc.returncode == 0, err[-3000:]
-    rows.update((r["case"], r) for r in (json.loads(l.split(" ", 1)[1]) for l in out.splitlines()
-                                          if l.startswith("PLAN_MEASURE ")))
-  assert len(rows) == 8, rows
+  """{case: measured and estimated bytes}, from one process whose two children (1 and 4 host devices) run side by
+  side, MaxText imported once before they fork."""
+  done = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_measure.py"), "smoke", "loss", "seq_256", "batch_16",
+                         "remat_minimal", "unrolled", "--devices", "4", "fsdp_state", "expert_parallel"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=HANG_S)
+  assert done.returncode == 0, done.stderr[-3000:]
+  rows = {r["case"]: r for r in (json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
+                                  if line.startswith("PLAN_MEASURE "))}
+  assert len(rows) == 8 and rows["smoke"]["devices"] == 1 and rows["fsdp_state"]["devices"] == 4, rows
   return rows
 
 
@@ -129,10 +123,17 @@ def test_every_measured_gpu_proxy_path_is_planned_within_5_percent_of_its_h200_p
   assert not off, off
 
 
-def test_plan_check_reports_estimate_over_measured_per_path(tmp_path):
+def test_plan_check_reports_estimate_over_measured_per_path(tmp_path, monkeypatch, capsys):
+  """bench/plan_check.py's main, in this process (MaxText imported already)."""
   out = tmp_path / "rows.json"
-  done = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--paths", "temoe_fp8,temoe_fp8@5",
-                         "--results", MEASURED, "--out", str(out)], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+  sys.path.insert(0, str(ROOT / "bench"))
+  import plan_check  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(sys, "argv", ["plan_check.py", "--paths", "temoe_fp8,temoe_fp8@5", "--results", MEASURED,
+                                    "--out", str(out)])
+  # what main sets (setdefault), restored after the test
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "false"))
+  done = types.SimpleNamespace(returncode=plan_check.main(), stdout=capsys.readouterr().out)
   rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
   assert rows["temoe_fp8"]["measured_gib"] == h200_peaks()["temoe_fp8"]
   assert abs(rows["temoe_fp8"]["ratio"] - 1) <= GPU_TARGET
@@ -170,21 +171,21 @@ def test_bad_input_exits_2_with_one_line(capsys, case):
   assert len(lines) == 1 and expected in lines[0], lines
 
 
-def test_cli_plans_the_smoke_config_and_reports_a_miss():
-  """`temoe plan` through the CLI, in one process: the table, and a miss in 0.001 GiB as exit code 1 (main's
-  verdicts and both exit codes are test_fits_and_does_not_fit's; this checks the command passes them on)."""
-  from conftest import run_temoe  # pylint: disable=import-outside-toplevel
+def test_cli_plans_the_smoke_config_and_reports_a_miss(capsys):
+  """`temoe plan` through the CLI's main, in this process: the table, and a miss in 0.001 GiB as exit code 1 (main's
+  verdicts and both exit codes are test_fits_and_does_not_fit's; this checks the command passes them on; the
+  `temoe` program's own entry is test_cli_errors')."""
+  from temoe import cli  # pylint: disable=import-outside-toplevel
 
-  miss = run_temoe("plan", SMOKE, "--hbm-gib", "0.001")
-  assert miss.returncode == 1, miss.stderr[-2000:]
-  assert "does not fit:" in miss.stdout and "peak estimate" in miss.stdout, miss.stdout[-2000:]
+  code = cli.main(["plan", SMOKE, "--hbm-gib", "0.001"])
+  out = capsys.readouterr()
+  assert code == 1, out.err[-2000:]
+  assert "does not fit:" in out.out and "peak estimate" in out.out, out.out[-2000:]
 
 
 def test_remat_policy_none_recomputes_scanned_layers_and_keeps_unscanned_ones():
   """MaxText wraps each scanned layer in jax.checkpoint with the policy `none` names (None: nothing
   saved), and calls unscanned layers without remat (nnx_decoders)."""
-  import types  # pylint: disable=import-outside-toplevel
-
   from temoe.tools import hbm_activations  # pylint: disable=import-outside-toplevel
 
   for name in ("none", None):  # MaxText's config holds None for "none"
@@ -198,8 +199,6 @@ def test_the_plan_takes_the_tokens_mlp_where_the_block_does(monkeypatch):
   """The memory plan drops the bf16 dispatched and gradient rows exactly where the block hands the tokens
   to mosaic_tokens: temoe's mosaic kernels, an FP8 scaling in its SCALINGS, no expert biases, and an
   exchange in exchange.TOKENS_MLP (one device, or dedup under expert parallelism)."""
-  import types  # pylint: disable=import-outside-toplevel
-
   from temoe.moe.experts import mosaic_tokens  # pylint: disable=import-outside-toplevel
   from temoe.tools import hbm_activations as act  # pylint: disable=import-outside-toplevel
 
