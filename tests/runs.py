@@ -16,15 +16,16 @@ import subprocess
 import sys
 import time
 
-from conftest import HANG_S, REFERENCE_STEPS, ROOT, SMOKE
+from conftest import HANG_S, ROOT, SCHEDULE_STEPS, SMOKE
 from temoe.run import preflight
 
-SCHEDULE = f"learning_rate_schedule_steps={REFERENCE_STEPS}"
-"""Every run here follows the learning-rate schedule of the session's 32-step reference run, whatever its
-`steps`: the schedule is the only thing `steps` changes in the compiled train step, so the runs of one
-model, mesh and learning rate are one program, compiled once per session (conftest's JAX_CACHE) and loaded
-by the others. A run of fewer steps computes the reference's first steps exactly; one of more steps would add a
-zero-rate tail to the schedule (another program); an override still wins."""
+SCHEDULE = f"learning_rate_schedule_steps={SCHEDULE_STEPS}"
+"""Every run here follows one 32-step learning-rate schedule, whatever its `steps`: the schedule is the only
+thing `steps` changes in the compiled train step, so the runs of one model, mesh and learning rate are one
+program, compiled once per session (conftest's JAX_CACHE) and loaded by the others. Runs of the same steps
+compute the same losses (the session's reference runs 16 steps of it; a run of fewer steps computes its first
+steps exactly); one of more than 32 steps would add a zero-rate tail to the schedule (another program); an
+override still wins."""
 
 
 def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str) -> list[str]:

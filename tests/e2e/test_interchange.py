@@ -2,10 +2,10 @@
 other way round, and the next steps' losses are those of the writer's uninterrupted run.
 
 temoe's block computes on the parameters MaxText's RoutedMoE creates, so both settings save and
-restore the same state tree. The writers are the session's uninterrupted 32-step runs (conftest's
-temoe_reference and native_reference), which checkpoint at step 28 only after step 0 (no save on
+restore the same state tree. The writers are the session's uninterrupted 16-step runs (conftest's
+temoe_reference and native_reference), which checkpoint at step 12 only after step 0 (no save on
 completion); the other setting then resumes a copy of that run directory with the same flags: MaxText
-restores step 28 (state, optimizer, Grain iterator) and computes steps 29 to 31 with the other block.
+restores step 12 (state, optimizer, Grain iterator) and computes steps 13 to 15 with the other block.
 """
 
 from __future__ import annotations

@@ -22,10 +22,13 @@ import pytest
 
 import faults
 import runs
+from conftest import REFERENCE_STEPS
 from temoe import exits
 from temoe.run import lock
 
 STEPS, PERIOD = 32, 4
+"""A stopped run's steps (the line says `of 32`); started again, the single process trains up to the session's
+16-step reference (conftest's smoke_reference), which it must match: the same 32-step schedule, one program."""
 MOMENTS = {  # name -> (pattern in the log, async_checkpointing)
     "compile": (r"te_moe_block=true -> temoe MoE block", "true"),
     "a step": (r"completed step: \d+,", "false"),
@@ -35,17 +38,19 @@ MOMENTS = {  # name -> (pattern in the log, async_checkpointing)
 TRIALS = int(os.environ.get("TEMOE_PREEMPTION_TRIALS", "0"))
 
 
-def random_trials(kinds: tuple[str, ...], seed: int) -> list[tuple[str, int]]:
+def random_trials(kinds: tuple[str, ...], seed: int, last: int) -> list[tuple[str, int]]:
   rng = random.Random(seed)
-  return [(kind, 1 if kind == "compile" else rng.randint(1, 6)) for kind in rng.choices(kinds, k=TRIALS)]
+  return [(kind, 1 if kind == "compile" else rng.randint(1, last)) for kind in rng.choices(kinds, k=TRIALS)]
 
 
-ONE = random_trials(tuple(MOMENTS), 1) if TRIALS else [("compile", 1), ("an async save", 2)]
-TWO = random_trials(tuple(MOMENTS), 2) if TRIALS else [("an async save", 2)]
+# the single process's latest moment, the 3rd save (step 8, a save every 4 steps from step 0), stops it well
+# before the 16-step reference ends; the pair compares with its own 32-step reference
+ONE = random_trials(tuple(MOMENTS), 1, 3) if TRIALS else [("compile", 1), ("an async save", 2)]
+TWO = random_trials(tuple(MOMENTS), 2, 6) if TRIALS else [("an async save", 2)]
 
 
-def flags(async_checkpointing: str) -> tuple[str, ...]:
-  return (f"steps={STEPS}", "enable_checkpointing=true", f"checkpoint_period={PERIOD}",
+def flags(async_checkpointing: str, steps: int = STEPS) -> tuple[str, ...]:
+  return (f"steps={steps}", "enable_checkpointing=true", f"checkpoint_period={PERIOD}",
           f"async_checkpointing={async_checkpointing}", "enable_tensorboard=false")
 
 
@@ -69,6 +74,7 @@ def check_stop(tmp_path, code: int, log: str, reference: dict | None, metrics: s
     assert max(logged) == step, f"{name}: the last finished step is {max(logged)}, the line says {step}"
     assert runs.finalized_steps(tmp_path / "run" / "checkpoints")[-1] == step  # saved at the last finished step
     if reference is not None:
+      assert max(logged) < max(reference), f"{name}: stopped after step {max(logged)}, past the reference's steps"
       assert logged == {s: reference[s] for s in logged}, f"{name}: the losses before the stop changed"
   assert not (tmp_path / "run" / lock.LOCK_NAME).exists(), f"{name}: the run lock was left behind"
   return step
@@ -84,9 +90,9 @@ def test_sigterm_saves_the_last_step_and_the_run_resumes_on_its_loss_curve(tmp_p
   step = check_stop(tmp_path, code, log, smoke_reference, "first.jsonl", moment)
   if step is None:
     return  # nothing was saved: starting again is a fresh run (test_train_e2e's)
-  resumed, log = runs.train(tmp_path, smoke_data, "run", "resumed.jsonl", *flags(async_checkpointing))
+  resumed, log = runs.train(tmp_path, smoke_data, "run", "resumed.jsonl", *flags(async_checkpointing, REFERENCE_STEPS))
   assert f"restoring from this run's directory step {step}" in log
-  assert resumed == {s: smoke_reference[s] for s in range(step + 1, STEPS)}  # exact floats
+  assert resumed == {s: smoke_reference[s] for s in range(step + 1, REFERENCE_STEPS)}  # exact floats
 
 
 @pytest.fixture(scope="module")

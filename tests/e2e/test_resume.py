@@ -14,8 +14,10 @@ import signal
 import pytest
 
 import runs
+from conftest import REFERENCE_STEPS
 
-STEPS = 32  # steps take ~30 ms here: room for the kill to land well before the end (conftest's smoke_reference)
+STEPS = REFERENCE_STEPS  # the session's 16-step reference (conftest's smoke_reference): the kill after the
+# checkpoint of step 4 lands with 11 steps to spare
 PERIOD = 4
 
 

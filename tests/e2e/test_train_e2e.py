@@ -1,6 +1,6 @@
 """End to end: `temoe train` on the smoke config trains, and matches MaxText's native MoE run.
 
-The two 32-step runs are the session's (conftest's temoe_reference and native_reference, which the
+The two 16-step runs are the session's (conftest's temoe_reference and native_reference, which the
 resume, preemption and interchange tests read too); the expert-parallel run is this file's own."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ import pathlib
 
 import pytest
 
+import runs
 from conftest import REFERENCE_STEPS, SMOKE, run_temoe, xla_flags
 from temoe.run import data
+
+EP_STEPS = 8
+"""The expert-parallel run's steps: one takes ~0.6 s on 8 host devices here (32 of them were 20 s of an 82 s run), so
+it trains 8 on the reference's learning-rate schedule (runs.SCHEDULE) and matches the reference's first 8 losses."""
 
 
 def test_temoe_train_learns_with_the_reference_backend(temoe_reference):
@@ -40,16 +45,16 @@ def test_temoe_loss_curve_matches_native_moe(temoe_reference, native_reference):
 
 def test_expert_parallel_training_on_8_host_devices_matches(temoe_reference, tmp_path, smoke_data):
   """8 CPU devices, experts over an expert axis of 4 (x FSDP 2), same global batch of 8 sequences:
-  the loss curve of the 1-device run, through the expert-parallel exchange."""
+  the loss curve of the 1-device run (its first EP_STEPS steps), through the expert-parallel exchange."""
   metrics = tmp_path / "ep.jsonl"
   result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=ep", f"grain_train_files={smoke_data}",
-                     f"metrics_file={metrics}", f"steps={REFERENCE_STEPS}", "ici_expert_parallelism=4",
+                     f"metrics_file={metrics}", f"steps={EP_STEPS}", runs.SCHEDULE, "ici_expert_parallelism=4",
                      "ici_fsdp_parallelism=2", "per_device_batch_size=1",
                      env={"XLA_FLAGS": xla_flags(8)})
   assert result.returncode == 0, result.stderr[-4000:]
   assert "8 device(s)" in result.stderr + result.stdout
   rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-  assert [r["step"] for r in rows] == list(range(REFERENCE_STEPS))
+  assert [r["step"] for r in rows] == list(range(EP_STEPS))
   for a, b in zip(rows, temoe_reference["rows"]):
     assert a["learning/loss"] == pytest.approx(b["learning/loss"], rel=1e-4, abs=1e-4), a["step"]
   assert all(r["learning/te_moe_capacity_overflow"] == 0 for r in rows)
