@@ -6,6 +6,7 @@ reads would stall a long log); checkpoints are MaxText's own, under <base>/<run>
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from conftest import HANG_S, ROOT, SCHEDULE_STEPS, SMOKE
@@ -35,12 +37,110 @@ def command(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: s
   ]
 
 
+FORK = os.environ.get("TEMOE_TEST_FORK", "1") != "0"
+"""Runs are forked from tests/forkserver.py (MaxText imported once per pytest process, not once per run: ~9 CPU-s
+a run); TEMOE_TEST_FORK=0 starts each with `python -m temoe.cli` instead."""
+
+
+class Forked:
+  """A run forked by the fork server, with the parts of Popen the tests use: pid, poll, wait, returncode, kill."""
+
+  def __init__(self, server: "ForkServer", pid: int):
+    self.server, self.pid, self.returncode = server, pid, None
+    self.args = f"forked temoe train (pid {pid})"
+
+  def poll(self) -> int | None:
+    self.returncode = self.server.exit_code(self.pid, 0)
+    return self.returncode
+
+  def wait(self, timeout: float | None = None) -> int:
+    self.returncode = self.server.exit_code(self.pid, timeout)
+    if self.returncode is None:
+      raise subprocess.TimeoutExpired(self.args, timeout)
+    return self.returncode
+
+  def kill(self) -> None:
+    if self.poll() is None:
+      os.kill(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+  """tests/forkserver.py, started on first use by this process; its replies read by a thread."""
+
+  def __init__(self):
+    self.proc = subprocess.Popen([sys.executable, str(pathlib.Path(__file__).with_name("forkserver.py"))], cwd=ROOT,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                 env=dict(os.environ), text=True)
+    self.lock, self.changed = threading.Lock(), threading.Condition(threading.Lock())
+    self.pids, self.codes, self.next_id = {}, {}, 0
+    while True:  # what MaxText's imports print comes first
+      ready = self.proc.stdout.readline()
+      assert ready, "the fork server ended before it was ready"
+      if ready.startswith('{"ready"'):
+        break
+    threading.Thread(target=self.read, daemon=True).start()
+    atexit.register(self.stop)
+
+  def stop(self) -> None:
+    """Ends the server (EOF) and waits for it, so its runs' CPU time counts as this process's children's."""
+    self.proc.stdin.close()
+    try:
+      self.proc.wait(60)
+    except subprocess.TimeoutExpired:
+      self.proc.kill()
+
+  def read(self) -> None:
+    for line in self.proc.stdout:
+      if not line.startswith("{"):
+        continue
+      reply = json.loads(line)
+      with self.changed:
+        if "id" in reply:  # a pid comes back only after its earlier child's exit was reported: not this run's
+          self.pids[reply["id"]] = reply["pid"]
+          self.codes.pop(reply["pid"], None)
+        else:
+          self.codes[reply["pid"]] = reply["code"]
+        self.changed.notify_all()
+    with self.changed:  # the server ended: whoever waits on an answer learns it now
+      self.changed.notify_all()
+
+  def start(self, args: list[str], env: dict, log: pathlib.Path) -> Forked:
+    with self.lock:
+      self.next_id += 1
+      ask = self.next_id
+      self.proc.stdin.write(json.dumps({"id": ask, "args": args, "env": env, "cwd": str(ROOT), "log": str(log)}) + "\n")
+      self.proc.stdin.flush()
+    with self.changed:
+      answered = self.changed.wait_for(lambda: ask in self.pids or self.proc.poll() is not None, HANG_S)
+      assert answered and ask in self.pids, f"the fork server did not answer (exit {self.proc.poll()})"
+      return Forked(self, self.pids.pop(ask))
+
+  def exit_code(self, pid: int, timeout: float | None) -> int | None:
+    with self.changed:
+      self.changed.wait_for(lambda: pid in self.codes, timeout)
+      return self.codes.get(pid)
+
+
+_SERVER: list[ForkServer] = []
+
+
+def launch(argv: list[str], log: pathlib.Path, env: dict | None = None) -> subprocess.Popen | Forked:
+  """Starts `argv` (`python -m temoe.cli ...`, as `command()` gives it) with its stdout and stderr to `log`: forked
+  by the fork server (FORK), else a process of its own."""
+  full_env = {**os.environ, **(env or {})}
+  if FORK:
+    log.write_text("", encoding="utf-8")
+    if not _SERVER:
+      _SERVER.append(ForkServer())
+    return _SERVER[0].start(argv[3:], full_env, log)
+  out = open(log, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+  return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+
+
 def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, env: dict | None = None,
-          log_name: str | None = None) -> subprocess.Popen:
+          log_name: str | None = None) -> subprocess.Popen | Forked:
   """Starts a run; its stdout and stderr go to <base>/<metrics>.log (or <base>/<log_name>)."""
-  log = open(base / (log_name or f"{metrics}.log"), "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(command(base, data, run, metrics, *overrides), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                          env={**os.environ, **(env or {})})
+  return launch(command(base, data, run, metrics, *overrides), base / (log_name or f"{metrics}.log"), env)
 
 
 def start_group(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str,

@@ -146,9 +146,9 @@ def test_temoe_train_stops_before_maxtext_with_one_line(checkpointed, smoke_data
 def train_copy(checkpointed: pathlib.Path, smoke_data: str, name: str, damage, *overrides: str):
   """(exit code, whole output) of `temoe train` resuming a damaged copy of the run (steps=8)."""
   run = damaged_copy(checkpointed, name, damage)
-  proc = subprocess.run(runs.command(checkpointed.parent, smoke_data, run, f"{run}.jsonl", *RESUME, *overrides),
-                        cwd=runs.ROOT, capture_output=True, text=True, timeout=HANG_S)
-  return proc.returncode, proc.stdout + proc.stderr, checkpointed.parent / run
+  proc = runs.start(checkpointed.parent, smoke_data, run, f"{run}.jsonl", *RESUME, *overrides)
+  code, log = runs.finish(proc, checkpointed.parent, f"{run}.jsonl")
+  return code, log, checkpointed.parent / run
 
 
 def without_records(damage):
@@ -222,11 +222,11 @@ def test_flipped_bytes_without_records_stop_before_the_first_step_and_te_resume_
   assert f"the checkpoint of step {SAVED} at {run}/checkpoints/{SAVED}, which this run would resume from" in line
   assert "completed step" not in log and runs.finalized_steps(run / "checkpoints") == [0, SAVED]  # nothing saved
 
-  resumed = subprocess.run(runs.command(run.parent, smoke_data, run.name, "resumed.jsonl", *RESUME, "te_resume_step=0"),
-                           cwd=runs.ROOT, capture_output=True, text=True, timeout=HANG_S)
-  assert resumed.returncode == 0, resumed.stderr[-3000:]
-  assert f"te_resume_step: moved checkpoint step(s) {SAVED} to {run}/{preflight.SET_ASIDE}/" in resumed.stdout
-  assert "restoring from this run's directory step 0" in resumed.stderr
+  code, log = runs.finish(runs.start(run.parent, smoke_data, run.name, "resumed.jsonl", *RESUME, "te_resume_step=0"),
+                          run.parent, "resumed.jsonl")
+  assert code == 0, log[-3000:]
+  assert f"te_resume_step: moved checkpoint step(s) {SAVED} to {run}/{preflight.SET_ASIDE}/" in log
+  assert "restoring from this run's directory step 0" in log
   assert sorted(runs.losses(run.parent / "resumed.jsonl")) == list(range(1, 8))
   assert [p.name for p in (run / preflight.SET_ASIDE).glob("*/*")] == [str(SAVED)]  # kept, not deleted
   capsys.readouterr()

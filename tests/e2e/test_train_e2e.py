@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 import runs
-from conftest import REFERENCE_STEPS, SMOKE, run_temoe, xla_flags
+from conftest import REFERENCE_STEPS, xla_flags
 from temoe.run import data
 
 EP_STEPS = 8
@@ -47,12 +47,11 @@ def test_expert_parallel_training_on_8_host_devices_matches(temoe_reference, tmp
   """8 CPU devices, experts over an expert axis of 4 (x FSDP 2), same global batch of 8 sequences:
   the loss curve of the 1-device run (its first EP_STEPS steps), through the expert-parallel exchange."""
   metrics = tmp_path / "ep.jsonl"
-  result = run_temoe("train", SMOKE, f"base_output_directory={tmp_path}", "run_name=ep", f"grain_train_files={smoke_data}",
-                     f"metrics_file={metrics}", f"steps={EP_STEPS}", runs.SCHEDULE, "ici_expert_parallelism=4",
-                     "ici_fsdp_parallelism=2", "per_device_batch_size=1",
-                     env={"XLA_FLAGS": xla_flags(8)})
-  assert result.returncode == 0, result.stderr[-4000:]
-  assert "8 device(s)" in result.stderr + result.stdout
+  proc = runs.start(tmp_path, smoke_data, "ep", "ep.jsonl", f"steps={EP_STEPS}", "ici_expert_parallelism=4",
+                    "ici_fsdp_parallelism=2", "per_device_batch_size=1", env={"XLA_FLAGS": xla_flags(8)})
+  code, log = runs.finish(proc, tmp_path, "ep.jsonl")
+  assert code == 0, log[-4000:]
+  assert "8 device(s)" in log
   rows = [json.loads(line) for line in metrics.read_text().splitlines()]
   assert [r["step"] for r in rows] == list(range(EP_STEPS))
   for a, b in zip(rows, temoe_reference["rows"]):

@@ -1,0 +1,80 @@
+"""A process that imports temoe and MaxText once (~9 CPU-s a training process would pay again), then forks one
+`temoe train` per request: each run is still a process of its own (its pid, signals, exit code, JAX backend and
+device count, environment, working directory, log file), forked before any JAX backend or thread exists.
+
+Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"}; each
+child's end is reported {"pid", "code"} (Popen's returncode: negative for a signal). EOF on stdin ends the server.
+tests/runs.py starts the session's training runs through it. Variables JAX reads when it is imported (JAX_*
+config defaults) are the server's; those read when a run starts (XLA_FLAGS, SLURM_*, JAX_COORDINATOR_ADDRESS,
+M_*, TEMOE_*) are the run's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import sys
+
+PRELOAD = ("temoe.cli", "temoe.maxtext", "temoe.run.preflight", "temoe.run.preemption", "maxtext.configs.pyconfig",
+           "maxtext.trainers.pre_train.train")
+
+
+def run_child(request: dict) -> None:
+  """In the forked child: becomes `python -m temoe.cli <args>` with the request's environment and log; exits as
+  that program does (sys.exit, so the interpreter shuts down as a fresh process's would)."""
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+
+  os.chdir(request["cwd"])
+  os.environ.clear()
+  os.environ.update(request["env"])
+  log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  null = os.open(os.devnull, os.O_RDONLY)
+  for fd, target in ((null, 0), (log, 1), (log, 2)):
+    os.dup2(fd, target)
+  os.close(log)
+  os.close(null)
+  sys.argv = [cli.__file__, *request["args"]]
+  sys.exit(cli.main())
+
+
+def reap() -> None:
+  while True:
+    try:
+      pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+      return
+    if pid == 0:
+      return
+    print(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
+def serve() -> None:
+  for name in PRELOAD:
+    importlib.import_module(name)
+  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
+
+  assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
+  print(json.dumps({"ready": os.getpid()}), flush=True)
+  pending = b""
+  while True:
+    if select.select([0], [], [], 0.01)[0]:
+      data = os.read(0, 1 << 16)
+      if not data:
+        return
+      pending += data
+      while b"\n" in pending:
+        line, pending = pending.split(b"\n", 1)
+        request = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+          run_child(request)  # never returns: SystemExit ends the child
+        print(json.dumps({"id": request["id"], "pid": pid}), flush=True)
+    reap()
+
+
+if __name__ == "__main__":
+  serve()
