@@ -5,8 +5,8 @@ device count, environment, working directory, log file), forked before any JAX b
 Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"}; each
 child's end is reported {"pid", "code"} (Popen's returncode: negative for a signal). EOF on stdin ends the server.
 tests/runs.py starts the session's training runs through it. Variables JAX reads when it is imported (JAX_*
-config defaults) are the server's; those read when a run starts (XLA_FLAGS, SLURM_*, JAX_COORDINATOR_ADDRESS,
-M_*, TEMOE_*) are the run's own.
+config defaults) are the server's, but for JAX_PLATFORMS, set again in the child; those read when a run starts
+(XLA_FLAGS, SLURM_*, JAX_COORDINATOR_ADDRESS, M_*, TEMOE_*) are the run's own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ def run_child(request: dict) -> None:
   os.chdir(request["cwd"])
   os.environ.clear()
   os.environ.update(request["env"])
+  if "JAX_PLATFORMS" in os.environ:  # read when JAX was imported: the run's own setting, before its backend exists
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
   log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   null = os.open(os.devnull, os.O_RDONLY)
   for fd, target in ((null, 0), (log, 1), (log, 2)):

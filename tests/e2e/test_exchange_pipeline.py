@@ -7,11 +7,10 @@ XLA:CPU). Two training runs in subprocesses (about a minute each here): the leas
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
-from conftest import HANG_S, ROOT, SMOKE, xla_flags
+import runs
+from conftest import SMOKE, xla_flags
 
 TOL = 1e-5
 COMMON = ("dataset_type=synthetic", "steps=3", "log_period=1", "enable_tensorboard=false", "override_model_config=true",
@@ -23,12 +22,13 @@ NATIVE = ("ici_fsdp_parallelism=2", "te_moe_block=false", "te_gmm_quantization="
 
 
 def losses(tmp_path, name, overrides) -> list[dict]:
-  env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
+  """The run's metrics rows; it is forked like the session's other runs (tests/runs.py's launch)."""
   metrics = tmp_path / f"{name}.jsonl"
-  proc = subprocess.run([sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={tmp_path}",
-                         f"run_name={name}", f"metrics_file={metrics}", *COMMON, *overrides],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_S)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = runs.launch([sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={tmp_path}",
+                      f"run_name={name}", f"metrics_file={metrics}", *COMMON, *overrides], tmp_path / f"{name}.log",
+                     {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"})
+  code, log = runs.finish(proc, tmp_path, name)
+  assert code == 0, log[-3000:]
   return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 

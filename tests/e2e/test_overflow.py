@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from conftest import HANG_S, SMOKE, run_temoe, xla_flags
+import runs
+from conftest import HANG_S, SMOKE, xla_flags
 
 HERE = os.path.dirname(os.path.dirname(__file__))  # tests/, where the helper modules live
 FOUR_DEVICES = {"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
@@ -63,10 +64,11 @@ def test_worst_case_buffer_never_overflows_under_extreme_skew(skew_probe):
 
 
 def test_overflowing_training_stops_with_a_clear_error(tmp_path, smoke_data):
-  result = run_temoe(
-      "train", SMOKE, f"base_output_directory={tmp_path}", "run_name=overflow", f"grain_train_files={smoke_data}",
-      "steps=3", "ici_expert_parallelism=4", "ici_fsdp_parallelism=1", "per_device_batch_size=2",
-      "ragged_buffer_factor=1.0", "te_ep_overflow_check_every_n_steps=1", env=FOUR_DEVICES,
-  )
-  assert result.returncode != 0
-  assert "receive capacity overflow at training step 0" in result.stderr, result.stderr[-3000:]
+  """A training run, forked like the session's others (tests/runs.py's launch)."""
+  proc = runs.launch([sys.executable, "-m", "temoe.cli", "train", SMOKE, f"base_output_directory={tmp_path}",
+                      "run_name=overflow", f"grain_train_files={smoke_data}", "steps=3", "ici_expert_parallelism=4",
+                      "ici_fsdp_parallelism=1", "per_device_batch_size=2", "ragged_buffer_factor=1.0",
+                      "te_ep_overflow_check_every_n_steps=1"], tmp_path / "overflow.log", FOUR_DEVICES)
+  code, log = runs.finish(proc, tmp_path, "overflow")
+  assert code != 0
+  assert "receive capacity overflow at training step 0" in log, log[-3000:]
