@@ -16,7 +16,6 @@ import faults
 import runs
 from temoe import cli
 from temoe.run import data, lock
-from conftest import HANG_S
 
 BATCHES = 5  # the short stream: 5 whole batches of the smoke config's 8 sequences, then a partial one of 4
 STEPS = 8
@@ -85,9 +84,8 @@ def test_a_full_filesystem_stops_the_run_with_one_line_and_resume_is_refused(tmp
            "enable_tensorboard=false")
   command = [*runs.command(small_filesystem, smoke_data, "run", "x", *flags)]
   command[command.index(f"metrics_file={small_filesystem / 'x'}")] = f"metrics_file={tmp_path / 'full.jsonl'}"
-  proc = subprocess.run(command, cwd=runs.ROOT, capture_output=True, text=True, timeout=HANG_S, check=False)
-  log = proc.stdout + proc.stderr
-  faults.check("full disk", proc.returncode, log)  # exit 2: a full disk needs a person
+  code, log = runs.finish(runs.launch(command, tmp_path / "full.log"), tmp_path, "full")  # forked, as runs.start's
+  faults.check("full disk", code, log)  # exit 2: a full disk needs a person
   assert runs.finalized_steps(small_filesystem / "run" / "checkpoints") == [0]
 
   code = cli.main(command[3:])  # resumed, in this process: the preflight refuses it before MaxText starts
