@@ -1,4 +1,5 @@
-"""`temoe train` runs in subprocesses for the tests that stop, resume and compare them.
+"""`temoe train` runs in processes of their own for the tests that stop, resume and compare them, forked from
+tests/forkserver.py (FORK), which imported MaxText once for this pytest process.
 
 Each run writes MaxText's JSONL metrics (`metrics_file=`) and its log to files (a pipe nobody
 reads would stall a long log); checkpoints are MaxText's own, under <base>/<run>/checkpoints.
