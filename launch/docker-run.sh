@@ -14,6 +14,10 @@
 # runtime without CAP_SYS_RESOURCE; podman, once any --ulimit is given, also asks for 1048576 open files and
 # processes unless told otherwise).
 #
+# The container is started without --rm, under --name (default temoe-<time>-<pid>), and removed by this script once
+# it has read the container's exit code from the engine (`docker inspect` of the id `--cidfile` recorded): podman's
+# Docker API (4.3) answers `docker run --rm` with 0 whatever the container's code, which would hide an exit 75.
+#
 # Exit codes (temoe.exits): a run that exits 75 (preempted after a checkpoint, a transient fault) is started
 # again, at most TEMOE_MAX_RESTARTS times (default 3), and resumes from its last checkpoint; any other code
 # ends it. SIGTERM/SIGINT to this script go to the container (docker run passes them on), which checkpoints
@@ -36,10 +40,11 @@ esac
 
 options=()
 limits=()
+name="temoe-$(date +%Y%m%d-%H%M%S)-$$"
 while [ $# -gt 0 ]; do
   case "$1" in
     -v|-e|--name|--network|--ulimit) [ $# -ge 2 ] || { echo "docker-run.sh: $1 needs a value" >&2; exit 2; }
-      if [ "$1" = --ulimit ]; then limits+=("$1" "$2"); else options+=("$1" "$2"); fi; shift 2 ;;
+      case "$1" in --ulimit) limits+=("$1" "$2") ;; --name) name=$2 ;; *) options+=("$1" "$2") ;; esac; shift 2 ;;
     -*) echo "docker-run.sh: unknown option $1 (valid: -v HOST:CONTAINER[:ro], -e KEY=VALUE, --name NAME, --network NAME, --ulimit NAME=SOFT:HARD)" >&2; exit 2 ;;
     *) break ;;
   esac
@@ -51,9 +56,9 @@ restarts=0
 stopping=0
 state=$(mktemp -d "${TMPDIR:-/tmp}/temoe-docker-run.XXXXXX")  # docker's pid and exit status, per start
 trap 'stopping=1; [ ! -s "$state/pid" ] || kill -TERM "$(cat "$state/pid")" 2>/dev/null || true' TERM INT  # under set -e a failed kill (docker already gone) would end the script with 1
-trap 'rm -rf "$state"' EXIT
+trap '[ ! -s "$state/cid" ] || docker rm -f "$(cat "$state/cid")" >/dev/null 2>&1 || true; rm -rf "$state"' EXIT
 while :; do
-  rm -f "$state/pid" "$state/status"
+  rm -f "$state/pid" "$state/status" "$state/cid"
   # docker runs in the foreground of a subshell that outlives the stop signals (a no-op trap, which exec resets
   # for docker) and writes docker's exit status to a file: a background child's status can be lost by bash's
   # `wait` when a trap cuts in (exit 255 instead of 75, a few runs in a hundred under load), a foreground one's not.
@@ -61,7 +66,8 @@ while :; do
     trap : TERM INT
     code=0
     sh -c 'echo $$ > "$0"; exec "$@"' "$state/pid" \
-      docker run --rm "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" "${limits[@]}" --stop-timeout "$stop_timeout" "$image" "$@" || code=$?
+      docker run --name "$name" --cidfile "$state/cid" "${options[@]}" "${TEMOE_DOCKER_FLAGS[@]}" "${limits[@]}" --stop-timeout "$stop_timeout" \
+      "$image" "$@" || code=$?
     echo "$code" > "$state/status"
   ) &
   runner=$!
@@ -71,6 +77,12 @@ while :; do
   done
   wait "$runner" 2>/dev/null || true
   status=$(cat "$state/status" 2>/dev/null || echo 1)
+  if [ -s "$state/cid" ]; then  # the container was created (else docker run's own code: 125-127, nothing to remove)
+    cid=$(cat "$state/cid")
+    inside=$(docker inspect --format '{{.State.ExitCode}}' "$cid" 2>/dev/null) && [[ "$inside" =~ ^[0-9]+$ ]] && status=$inside
+    docker rm -f "$cid" >/dev/null 2>&1 || true
+    rm -f "$state/cid"
+  fi
   if [ "$status" -ne 75 ] || [ "$stopping" -eq 1 ] || [ "$restarts" -ge "$max_restarts" ]; then
     exit "$status"
   fi

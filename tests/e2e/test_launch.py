@@ -41,17 +41,35 @@ def job(**kw) -> launch.Job:
 
 STAND_IN = """#!{python}
 import json, os, signal, sys, time
+argv = sys.argv[1:]
 with open({log!r}, 'a') as f:
-  f.write(json.dumps({{'tool': {name!r}, 'argv': sys.argv[1:], 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')
+  f.write(json.dumps({{'tool': {name!r}, 'argv': argv, 'env': os.environ.get('TEMOE_NASTY')}}) + '\\n')
+container = {log!r} + '.container'  # the engine's record of the last container: its exit code
+run = {name!r} == 'docker' and argv[:1] == ['run']
+if {name!r} == 'docker' and argv[:1] == ['inspect']:
+  print(open(container).read())
+  sys.exit(0)
+if {name!r} == 'docker' and argv[:1] == ['rm']:
+  os.remove(container)
+  sys.exit(0)
+if run and '--cidfile' in argv and not os.environ.get('FAKE_NOT_CREATED'):  # written once the engine created it
+  with open(argv[argv.index('--cidfile') + 1], 'w') as f:
+    f.write('c0ffee')
+def finish(code):
+  if run:  # the container exits `code`; the client may say otherwise (FAKE_CLIENT_RC: podman 4.3's `run --rm`)
+    with open(container, 'w') as f:
+      f.write(str(code))
+    code = int(os.environ.get('FAKE_CLIENT_RC', code))
+  sys.exit(code)
 waiting = os.environ.get('FAKE_UNTIL_TERM')
 if {name!r} == 'scancel' and waiting:  # Slurm signals the job's tasks (a stand-in srun: SIGUSR1, below)
   os.kill(int(open(waiting).read()), signal.SIGUSR1)
-elif {name!r} in ('srun', 'docker') and waiting:
+elif ({name!r} == 'srun' or run) and waiting:
   def exit_with(code):  # the first signal decides; a second one (a group's and a trap's) changes nothing
     def handle(*_):
       for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
-      sys.exit(code)
+      finish(code)
     return handle
   if {name!r} == 'srun':  # as srun does: a SIGTERM to srun itself kills the tasks at once
     signal.signal(signal.SIGTERM, exit_with(137))
@@ -61,8 +79,8 @@ elif {name!r} in ('srun', 'docker') and waiting:
   with open(waiting, 'w') as f:
     f.write(str(os.getpid()))
   time.sleep(60)
-  sys.exit(1)
-sys.exit(int(os.environ.get('FAKE_RC', '0')))
+  finish(1)
+finish(int(os.environ.get('FAKE_RC', '0')))
 """
 
 
@@ -208,21 +226,38 @@ def test_docker_dry_run_line_is_copy_paste_safe(recorder, capsys):
   assert shlex.split(line) == ["docker", *calls[0]["argv"]]
   wrapper = ["bash", str(ROOT / "launch" / "docker-run.sh"), "--name", "temoe", "-v", "/a b:/data:rw",
              "-e", f"TEMOE_NASTY={ENV['TEMOE_NASTY']}", "img", "train", "cfg.yml", *NASTY, "hardware=gpu"]
-  rc, by_hand = recorder(shlex.join(wrapper))  # launch/docker-run.sh, as a user runs it: the same docker run
-  assert rc == 0 and by_hand[0]["argv"] == calls[0]["argv"]
+  rc, by_hand = recorder(shlex.join(wrapper))  # launch/docker-run.sh, as a user runs it: the same docker run,
+  started = by_hand[0]["argv"]  # kept until its exit code is read (not --rm), the id in a --cidfile
+  cid = started.index("--cidfile")
+  assert rc == 0 and started[:cid] + started[cid + 2:] == [a for a in calls[0]["argv"] if a != "--rm"]
+  assert [c["argv"] for c in by_hand[1:]] == [["inspect", "--format", "{{.State.ExitCode}}", "c0ffee"], ["rm", "-f", "c0ffee"]]
   rc, _ = recorder(shlex.join([*wrapper[:2], "--gpus", "2", "img"]))
   assert rc == 2
 
 
 def test_docker_run_sh_starts_a_requeued_run_again_up_to_its_bound(recorder):
   wrapper = "exec " + shlex.join(["bash", str(ROOT / "launch" / "docker-run.sh"), "img", "train", "cfg.yml"])
+  once = ["run", "inspect", "rm"]  # a start, its container's exit code read from the engine, the container removed
   rc, calls = recorder(wrapper, FAKE_RC=str(exits.REQUEUE), TEMOE_MAX_RESTARTS="2")
-  assert rc == exits.REQUEUE and [c["tool"] for c in calls] == ["docker"] * 3  # the first run and 2 restarts
+  assert rc == exits.REQUEUE and [c["argv"][0] for c in calls] == once * 3  # the first run and 2 restarts
   for code in (0, exits.NEEDS_PERSON, exits.FAILED):
     rc, calls = recorder(wrapper, FAKE_RC=str(code))
-    assert rc == code and len(calls) == 1
+    assert rc == code and [c["argv"][0] for c in calls] == once
   rc, calls = recorder(wrapper, signal_after_start=signal.SIGTERM)  # `docker stop`-like: saved, not started again
-  assert rc == exits.REQUEUE and len(calls) == 1
+  assert rc == exits.REQUEUE and [c["argv"][0] for c in calls] == once
+
+
+def test_docker_run_sh_goes_by_the_containers_exit_code_not_the_clients(recorder):
+  """podman 4.3's Docker API answers `docker run --rm` with 0 whatever the container's code: the wrapper reads the
+  code from the engine, so an exit 75 is still started again and reported; a container never created (the name
+  taken, the image missing) leaves docker run's own code and nothing to remove, the other container untouched."""
+  wrapper = "exec " + shlex.join(["bash", str(ROOT / "launch" / "docker-run.sh"), "img", "train", "cfg.yml"])
+  rc, calls = recorder(wrapper, FAKE_RC=str(exits.REQUEUE), FAKE_CLIENT_RC="0", TEMOE_MAX_RESTARTS="1")
+  assert rc == exits.REQUEUE and [c["argv"][0] for c in calls] == ["run", "inspect", "rm"] * 2
+  rc, calls = recorder(wrapper, FAKE_RC="125", FAKE_NOT_CREATED="1")
+  assert rc == 125 and [c["argv"][0] for c in calls] == ["run"]
+  name = calls[0]["argv"][calls[0]["argv"].index("--name") + 1]
+  assert name.startswith("temoe-"), name  # the default name: one a user can find with `docker ps -a`
 
 
 def test_docker_run_sh_survives_its_signal_trap_when_docker_is_already_gone():

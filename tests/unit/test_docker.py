@@ -265,7 +265,8 @@ def test_docker_run_sh_without_gpus_and_with_a_network(gpus, options, want, tmp_
                        capture_output=True, text=True, timeout=60, check=False)
   assert run.returncode == 0, run.stderr
   argv = (tmp_path / "docker.argv").read_text().split("\n")[:-1]
-  assert argv[:2 + len(want)] == ["run", "--rm", *want] and argv[-2:] == ["img", "doctor"]
+  assert argv[:2] == ["run", "--name"] and argv[2].startswith("temoe-") and argv[3] == "--cidfile", argv  # not --rm
+  assert argv[5:5 + len(want)] == want and argv[-2:] == ["img", "doctor"]
   assert ("--gpus" in argv) == (gpus is None)
   bad = subprocess.run(["bash", str(ROOT / "launch/docker-run.sh"), "img"], env={**environ, "TEMOE_GPUS": "2"},
                        capture_output=True, text=True, timeout=60, check=False)

@@ -195,7 +195,8 @@ def docker_run_kwargs(job: Job) -> dict:
 
 def docker_run_line(kwargs: dict) -> str:
   """The `docker run` command line equivalent to `kwargs`, quoted for any POSIX shell: what
-  launch/docker-run.sh runs for the same --name, -v and -e."""
+  launch/docker-run.sh runs for the same --name, -v and -e, less its restarts (it starts the container without
+  --rm and removes it once the engine gave its exit code)."""
   argv = ["docker", "run", "--rm", "--name", kwargs["name"]]
   for host, bind in kwargs["volumes"].items():
     argv += ["-v", f"{host}:{bind['bind']}:{bind['mode']}"]
