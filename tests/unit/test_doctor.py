@@ -187,28 +187,26 @@ def test_a_base_yml_beside_temoes_configs_is_caught(tmp_path):
 SITE_MAXTEXT = pathlib.Path(importlib.util.find_spec("maxtext").origin)
 
 
-@pytest.mark.parametrize("stack_kind", ["maxtext-0.3.0", "maxtext-checkout", "te-main"])
+@pytest.mark.parametrize("stack_kind", ["maxtext-0.3.0", "maxtext-checkout"])
 def test_a_wrong_stack_fails_the_check_with_one_line_and_the_build_arg(stack_kind, tmp_path):
+  """The console script on a wrong MaxText (the TE verdicts, the base's TE main among them, are check_te's in
+  test_te_checks: MaxText imports Transformer Engine only inside a function, so the seams' verdict does not depend
+  on which TE is on the path)."""
   if stack_kind == "maxtext-0.3.0":  # what `pip install maxtext==0.2.5` over another version would leave, undone
     (tmp_path / "maxtext").mkdir()
     (tmp_path / "maxtext/__init__.py").write_text("")
     dist_info(tmp_path, "maxtext", "0.3.0")
-    path, args = tmp_path, ["--without-te"]
+    path = tmp_path
     want = "maxtext 0.3.0 is installed, temoe hooks MaxText 0.2.5: --build-arg MAXTEXT_VERSION=0.2.5."
-  elif stack_kind == "maxtext-checkout":  # the base's editable MaxText main, first on the path, metadata reading 0.2.5
+  else:  # the base's editable MaxText main, first on the path, metadata reading 0.2.5
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'maxtext'\n")
     (tmp_path / "src/maxtext").mkdir(parents=True)
     (tmp_path / "src/maxtext/__init__.py").write_text("")
-    path, args = tmp_path / "src", ["--without-te"]
+    path = tmp_path / "src"
     want = (f"`import maxtext` loads {tmp_path}/src/maxtext/__init__.py, a source checkout, not the maxtext 0.2.5 "
             f"wheel's {SITE_MAXTEXT}: --build-arg MAXTEXT_SRC={tmp_path} (the Dockerfile uninstalls and removes "
             "that checkout).")
-  else:  # the base's TE main of August: MaxText 0.2.5's max_utils imports a name it lacks
-    path = stub_te(tmp_path, version="2.20.0.dev0", drop="transformer_engine.jax.moe.get_moe_recv_capacity_per_rank")
-    args = []
-    want = ("Transformer Engine 2.20.0.dev0 lacks what MaxText 0.2.5 and temoe import: "
-            f"transformer_engine.jax.moe.get_moe_recv_capacity_per_rank (MaxText utils/max_utils.py): {TE_FIX}")
-  run, problems = image_check(*args, pythonpath=path)
+  run, problems = image_check("--without-te", pythonpath=path)
   assert (run.returncode, problems) == (1, [f"temoe doctor --image: {want}"]), run.stdout
   assert run.stdout.rstrip().endswith("stack: does not fit, see above")
 
@@ -239,6 +237,10 @@ def on_path(monkeypatch, tmp_path):
                                 f"shared object file): {TE_FIX}"), None),
     ("no-driver-on-the-build-host", None, "2.20.2, defines the "),
     ("no-te", f"Transformer Engine is not installed: {TE_FIX}", None),
+    # the base's TE main of August: MaxText 0.2.5's max_utils imports a name it lacks
+    ("te-main", ("Transformer Engine 2.20.0.dev0 lacks what MaxText 0.2.5 and temoe import: "
+                 f"transformer_engine.jax.moe.get_moe_recv_capacity_per_rank (MaxText utils/max_utils.py): {TE_FIX}"),
+     None),
 ])
 def test_te_checks(kind, problem, line, on_path, monkeypatch):
   tmp = on_path.tmp
@@ -257,6 +259,8 @@ def test_te_checks(kind, problem, line, on_path, monkeypatch):
     on_path(stub_te(tmp, jax_init="raise OSError('libcuda.so.1: cannot open shared object file')\n"))
   elif kind in ("te-editable-build", "te-source-build"):
     on_path(stub_te(tmp, layout=kind.split("-")[1]))
+  elif kind == "te-main":
+    on_path(stub_te(tmp, version="2.20.0.dev0", drop="transformer_engine.jax.moe.get_moe_recv_capacity_per_rank"))
   elif kind != "no-te":
     on_path(stub_te(tmp))
   result = stack.Result()
