@@ -1,10 +1,10 @@
 """temoe's block under MaxText's pipeline parallelism trains with the loss of MaxText's native MoE: the
 smoke DeepSeek-V3 model (routing bias off: MaxText's pipeline refuses it, test_exchange_config.py) for 3
-steps on 4 host devices, pipeline 2 stages x 4 microbatches of 2 sequences (per_device_batch_size=2: MaxText timed a
-step of the config's 8 at 3.6-5.2 s here, of 2 at 0.7-1.9 s; XLA's compile of the step, ~50 s, is the same), temoe as EP 2 with the hierarchical
-exchange (a node of one rank) in 2 token chunks, native as FSDP 2 (its expert-parallel path does not run on
-XLA:CPU). Two training runs, forked (about a minute each here, most of it XLA's compile of the pipelined step):
-the least that compares a loss."""
+steps on 4 host devices, pipeline 2 stages x 4 microbatches of 2 sequences, temoe as EP 2 with the
+hierarchical exchange (a node of one rank) in 2 token chunks, native as FSDP 2 (its expert-parallel path
+does not run on XLA:CPU). Two training runs, forked (about a minute each here): the least that compares a
+loss. Most of a run is XLA's compile of the pipelined step (~50 s); per_device_batch_size=2 cut MaxText's
+step time from 3.6-5.2 s (the config's 8) to 0.7-1.9 s."""
 
 from __future__ import annotations
 
