@@ -23,7 +23,9 @@ EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
 def test_mosaic_mlp_matches_xla_in_interpret_mode(recipe, monkeypatch):
   """Forward and gradients against float32 within the recipe's bounds, spare rows and the empty expert zero;
   te_fp8_current with te_moe_fp8_weights=remat (the backward casts the weights again from the forward's
-  scales) and with device (it reads the forward's FP8 copies): the same output and gradients, bit for bit."""
+  scales) and with device (it reads the forward's FP8 copies): the same output and gradients, bit for bit. Each
+  forward and backward is one jitted program, as in training (op by op, every primitive compiled on its own, cost
+  a fifth more CPU)."""
   monkeypatch.setattr(mosaic_gemm, "num_sms", lambda: 4)  # a CPU device reports no SMs: a 4-SM persistent grid
   align = recipes.row_alignment(recipe, "mosaic")
   keys = jax.random.split(jax.random.key(0), 4)
@@ -41,16 +43,17 @@ def test_mosaic_mlp_matches_xla_in_interpret_mode(recipe, monkeypatch):
     return jnp.sum(y[p.slots].astype(jnp.float32) ** 2), y
 
   with plgpu.force_gpu_interpret_mode():
-    (_, y), grads = jax.value_and_grad(lambda *a: loss(mosaic.mlp, ctx, *a), argnums=(0, 1, 2), has_aux=True)(x, wi, wo)
+    (_, y), grads = jax.jit(jax.value_and_grad(lambda *a: loss(mosaic.mlp, ctx, *a), argnums=(0, 1, 2), has_aux=True))(x, wi, wo)
     if recipe == "te_fp8_current":
       kept = dataclasses.replace(ctx, fp8_weights="device")
-      (_, y_kept), grads_kept = jax.value_and_grad(lambda *a: loss(mosaic.mlp, kept, *a), argnums=(0, 1, 2),
-                                                   has_aux=True)(x, wi, wo)
+      (_, y_kept), grads_kept = jax.jit(jax.value_and_grad(lambda *a: loss(mosaic.mlp, kept, *a), argnums=(0, 1, 2),
+                                                   has_aux=True))(x, wi, wo)
       assert np.asarray(grads[1], np.float32).any()
       for a, b in zip((y, *grads), (y_kept, *grads_kept)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   f32 = [a.astype(jnp.float32) for a in (x, wi, wo)]
-  (_, ref_y), ref_grads = jax.value_and_grad(lambda *a: loss(xla.mlp, ref_ctx, *a), argnums=(0, 1, 2), has_aux=True)(*f32)
+  (_, ref_y), ref_grads = jax.jit(jax.value_and_grad(lambda *a: loss(xla.mlp, ref_ctx, *a), argnums=(0, 1, 2),
+                                                     has_aux=True))(*f32)
   slots = np.asarray(p.slots)
   spare = np.arange(int(p.padded_group_sizes.sum()), p.buffer_rows)
   assert not np.asarray(y, np.float32)[spare].any(), "spare rows past the last group are not zero"
