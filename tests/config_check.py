@@ -7,9 +7,9 @@ Each check's process simulates the cluster's device count (XLA's host-platform d
 the GPU temoe's recipe checks see; then MaxText's pyconfig validates the config and MaxText's
 create_device_mesh lays its mesh over stand-ins for the cluster's GPUs: one process each, grouped
 in `--slices` slices (XLA gives GPUs one slice per node), which is how MaxText splits ICI and DCN.
---batch imports MaxText once and forks a child per check before any JAX backend exists, so each check still
-starts with no devices, no config and no recipe-check target of another: the same as a fresh process, without
-importing MaxText again (most of a check's time). It prints `CONFIG_CHECK <i> <json>` for the i-th check.
+--batch imports MaxText and reads each config's YAML chain once, then forks a child per check before any JAX backend
+exists, so each check still starts with no devices, no config and no recipe-check target of another: the same as a
+fresh process, without importing MaxText or reading the YAML files again (most of a check's time). It prints `CONFIG_CHECK <i> <json>` for the i-th check.
 """
 
 from __future__ import annotations
@@ -61,8 +61,11 @@ def check(argv: list[str]) -> dict:
     target = hardware.Platform("gpu", kind, cc, "2.20.2", None, cublas)
     hardware.detect = lambda: target
   slices = args.slices or args.nodes
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
   try:
-    config = maxtext_config(*([f"num_slices={slices}"] if args.gpu else []), *overrides, config=args.config)
+    with introspect.yaml_read_once():  # the chain --batch read before the fork
+      config = maxtext_config(*([f"num_slices={slices}"] if args.gpu else []), *overrides, config=args.config)
   except Exception as exc:  # pylint: disable=broad-exception-caught
     return {"error": f"{type(exc).__name__}: {exc}"}
   from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
@@ -98,13 +101,15 @@ def batch(checks: list[list[str]]) -> None:
   import conftest  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
   import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (before MaxText)
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
-  from temoe.maxtext import seams  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect, seams  # pylint: disable=import-outside-toplevel
 
   # what a check imports: MaxText's modules temoe.register() checks (imported, not hooked), temoe's own
   for name in [*seams.TOUCHPOINTS, *(m for m, _ in seams.CLASS_ATTRIBUTES), "maxtext.configs.pyconfig",
                "maxtext.utils.maxtext_utils", "temoe.maxtext.adapter", "temoe.maxtext.checkpointing",
                "temoe.maxtext.batches", "temoe.maxtext.metrics", "temoe.maxtext.router", "temoe.tools.model_size"]:
     importlib.import_module(name)
+  for config in {parse(argv)[0].config for argv in checks}:  # each YAML chain read once, not once a check
+    introspect.read_config_chain(config)
   assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
   for i, argv in enumerate(checks):
     read, write = os.pipe()

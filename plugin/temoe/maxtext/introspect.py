@@ -4,6 +4,9 @@ called here so no module outside `temoe.maxtext` imports MaxText."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
 import types
 
 
@@ -14,7 +17,76 @@ def initialize_config(argv: list[str], **kwargs):
   temoe.register()
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
-  return pyconfig.initialize(argv, **kwargs)
+  with yaml_read_once():
+    return pyconfig.initialize(argv, **kwargs)
+
+
+_CHAINS: dict[str, tuple[tuple[tuple[str, int, int], ...], object]] = {}
+"""YAML files MaxText's `_load_config` read in this process: real path -> (every file of its base_config chain as
+(path, mtime_ns, size), the merged DictConfig MaxText made of them)."""
+
+
+def _stamp(path: str) -> tuple[str, int, int]:
+  stat = os.stat(path)
+  return path, stat.st_mtime_ns, stat.st_size
+
+
+def _fresh(files: tuple[tuple[str, int, int], ...]) -> bool:
+  try:
+    return all(_stamp(path) == (path, mtime, size) for path, mtime, size in files)
+  except OSError:
+    return False
+
+
+@contextlib.contextmanager
+def yaml_read_once():
+  """MaxText's `_load_config` (a YAML file merged onto its base_config chain, a third of a config build) runs once per
+  chain and process while this is open: later builds get a deep copy of what it returned (MaxText edits its result),
+  as long as no file of the chain has changed since. A plan, a sweep or a check builds many configs of one chain."""
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  load = pyconfig._load_config  # pylint: disable=protected-access
+  reading: list[list[tuple[str, int, int]]] = []  # the files each open (nested: base_config) call has read
+
+  def cached(name: str):
+    try:
+      key = os.path.realpath(name)
+      stamp = _stamp(key)
+    except OSError:
+      return load(name)  # MaxText's own error
+    hit = _CHAINS.get(key)
+    if hit is not None and _fresh(hit[0]):
+      files = list(hit[0])
+      result = copy.deepcopy(hit[1])
+    else:
+      reading.append([stamp])
+      try:
+        result = load(name)  # its base_config comes back through `cached`
+      finally:
+        files = reading.pop()
+      _CHAINS[key] = (tuple(files), copy.deepcopy(result))
+    if reading:  # the file whose base_config this is
+      reading[-1].extend(files)
+    return result
+
+  if getattr(load, "temoe_cached", False):  # open already (a build inside a build)
+    yield
+    return
+  cached.temoe_cached = True
+  pyconfig._load_config = cached  # pylint: disable=protected-access
+  try:
+    yield
+  finally:
+    pyconfig._load_config = load  # pylint: disable=protected-access
+
+
+def read_config_chain(path: str) -> None:
+  """Reads `path`'s YAML chain as a config build would (no JAX backend needed): a process that forks config builds
+  reads it once for all of them."""
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  with yaml_read_once():
+    pyconfig._load_config(path)  # pylint: disable=protected-access
 
 
 def configs_dir() -> str:
