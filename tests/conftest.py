@@ -111,17 +111,20 @@ def once_per_session(tmp_path_factory, name: str, produce):
 SCHEDULE_STEPS = 32
 """The learning-rate schedule every smoke run of the session follows (tests/runs.py's SCHEDULE), whatever its steps."""
 
-REFERENCE_STEPS, REFERENCE_SAVED = 16, 12
-REFERENCE_FLAGS = (f"steps={REFERENCE_STEPS}", "enable_checkpointing=true", f"checkpoint_period={REFERENCE_SAVED}",
+REFERENCE_STEPS, REFERENCE_PERIOD = 16, 5
+REFERENCE_FLAGS = (f"steps={REFERENCE_STEPS}", "enable_checkpointing=true", f"checkpoint_period={REFERENCE_PERIOD}",
                    "save_checkpoint_on_completion=false")
 """The session's uninterrupted smoke runs: the first 16 steps of the 32-step schedule (a step costs ~0.4 CPU-s at
--O0 here; over these 16 the loss falls 6.05 -> 3.23, first three against last three), checkpoints at steps 0 and
-12 only (the interchange test resumes step 12 with the other block; saving does not change a loss)."""
+-O0 here; over these 16 the loss falls 6.05 -> 3.23, first three against last three), checkpoints at steps 0, 5,
+10 and 15: the interchange test resumes a copy cut back to step 10 with the other block, the reliability tests
+damage copies cut back to step 5 (runs.copy_run) instead of training a run of their own (saving does not change a
+loss)."""
 
 
 def reference_run(tmp_path_factory, smoke_data, te_moe_block: str) -> dict:
   """One uninterrupted smoke run with te_moe_block=`te_moe_block`, once per session: {"base": its
-  base_output_directory (run "ref" in it; copy it before resuming), "rows": its metrics rows, "log": its log}."""
+  base_output_directory (run "ref" in it; copy it before resuming: runs.copy_run), "rows": its metrics rows,
+  "log": its log}."""
   import runs  # pylint: disable=import-outside-toplevel
 
   def train(base):

@@ -2,7 +2,8 @@
 `temoe train` per request: each run is still a process of its own (its pid, signals, exit code, JAX backend and
 device count, environment, working directory, log file), forked before any JAX backend or thread exists.
 
-Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"}; each
+Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"} (with
+"code": the child runs that program as `python -c code args` would, instead of `temoe train`); each
 child's end is reported {"pid", "code"} (Popen's returncode: negative for a signal). EOF on stdin ends the server.
 tests/runs.py starts the session's training runs through it. Variables JAX reads when it is imported (JAX_*
 config defaults) are the server's, but for JAX_PLATFORMS, set again in the child; those read when a run starts
@@ -22,8 +23,9 @@ PRELOAD = ("temoe.cli", "temoe.maxtext", "temoe.run.preflight", "temoe.run.preem
 
 
 def run_child(request: dict) -> None:
-  """In the forked child: becomes `python -m temoe.cli <args>` with the request's environment and log; exits as
-  that program does (sys.exit, so the interpreter shuts down as a fresh process's would)."""
+  """In the forked child: becomes `python -m temoe.cli <args>` (or `python -c <code> <args>`) with the request's
+  environment and log; exits as that program does (sys.exit, so the interpreter shuts down as a fresh process's
+  would)."""
   from temoe import cli  # pylint: disable=import-outside-toplevel
 
   os.chdir(request["cwd"])
@@ -39,6 +41,10 @@ def run_child(request: dict) -> None:
     os.dup2(fd, target)
   os.close(log)
   os.close(null)
+  if "code" in request:
+    sys.argv = ["-c", *request["args"]]
+    exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used
+    sys.exit(0)
   sys.argv = [cli.__file__, *request["args"]]
   sys.exit(cli.main())
 

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ import threading
 import time
 
 from conftest import HANG_S, ROOT, SCHEDULE_STEPS, SMOKE
-from temoe.run import preflight
+from temoe.run import checksums, preflight
 
 SCHEDULE = f"learning_rate_schedule_steps={SCHEDULE_STEPS}"
 """Every run here follows one 32-step learning-rate schedule, whatever its `steps`: the schedule is the only
@@ -105,11 +106,12 @@ class ForkServer:
     with self.changed:  # the server ended: whoever waits on an answer learns it now
       self.changed.notify_all()
 
-  def start(self, args: list[str], env: dict, log: pathlib.Path) -> Forked:
+  def start(self, args: list[str], env: dict, log: pathlib.Path, code: str | None = None) -> Forked:
+    request = {"args": args, "env": env, "cwd": str(ROOT), "log": str(log), **({"code": code} if code else {})}
     with self.lock:
       self.next_id += 1
       ask = self.next_id
-      self.proc.stdin.write(json.dumps({"id": ask, "args": args, "env": env, "cwd": str(ROOT), "log": str(log)}) + "\n")
+      self.proc.stdin.write(json.dumps({"id": ask, **request}) + "\n")
       self.proc.stdin.flush()
     with self.changed:
       answered = self.changed.wait_for(lambda: ask in self.pids or self.proc.poll() is not None, HANG_S)
@@ -126,14 +128,14 @@ _SERVER: list[ForkServer] = []
 
 
 def launch(argv: list[str], log: pathlib.Path, env: dict | None = None) -> subprocess.Popen | Forked:
-  """Starts `argv` (`python -m temoe.cli ...`, as `command()` gives it) with its stdout and stderr to `log`: forked
-  by the fork server (FORK), else a process of its own."""
+  """Starts `argv` (`python -m temoe.cli ...`, as `command()` gives it, or `python -c code ...`) with its stdout and
+  stderr to `log`: forked by the fork server (FORK), else a process of its own."""
   full_env = {**os.environ, **(env or {})}
   if FORK:
     log.write_text("", encoding="utf-8")
     if not _SERVER:
       _SERVER.append(ForkServer())
-    return _SERVER[0].start(argv[3:], full_env, log)
+    return _SERVER[0].start(argv[3:], full_env, log, code=argv[2] if argv[1] == "-c" else None)
   out = open(log, "w", encoding="utf-8")  # pylint: disable=consider-using-with
   return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env)
 
@@ -212,6 +214,20 @@ def losses(path: pathlib.Path) -> dict[int, float]:
 def finalized_steps(checkpoints: pathlib.Path) -> list[int]:
   """Committed checkpoint steps, as Orbax lists them (an in-flight save is a tmp dir, not listed)."""
   return preflight.finalized_steps(str(checkpoints))
+
+
+def copy_run(run: pathlib.Path, to: pathlib.Path, latest: int) -> pathlib.Path:
+  """A copy of the run directory `run` at `to` whose checkpoints end at step `latest`: the later steps and their
+  checksum records are left out, as if the run had stopped after saving `latest` (the session's reference runs,
+  copied for a test that resumes or damages them). Returns `to`."""
+  shutil.copytree(run, to)
+  for step in finalized_steps(to / "checkpoints"):
+    if step > latest:
+      shutil.rmtree(to / "checkpoints" / str(step))
+      for record in (to / checksums.RECORDS).glob(f"{step}.process_*.json"):
+        record.unlink()
+  assert finalized_steps(to / "checkpoints")[-1] == latest, f"{run} holds no checkpoint of step {latest}"
+  return to
 
 
 def kill_after_checkpoint(proc: subprocess.Popen, checkpoints: pathlib.Path, after: int, timeout: float = HANG_S) -> None:

@@ -47,12 +47,14 @@ def test_unwritable_output_dir(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory, smoke_data):
-  """A run directory holding MaxText checkpoints at steps 0 and 5."""
-  base = tmp_path_factory.mktemp("checkpointed")
-  runs.train(base, smoke_data, "run", "run.jsonl", "steps=6", *CHECKPOINTING)
-  assert runs.finalized_steps(base / "run" / "checkpoints") == [0, SAVED]
-  return base / "run"
+def checkpointed(tmp_path_factory, temoe_reference):
+  """A run directory holding MaxText checkpoints at steps 0 and 5, as a run of steps=6 with CHECKPOINTING leaves
+  it: the session's reference run of temoe's block (conftest's temoe_reference, which saves every 5 steps of the
+  same program) copied and cut back to step 5 (runs.copy_run), not a training run of this file's own."""
+  run = runs.copy_run(pathlib.Path(temoe_reference["base"]) / "ref", tmp_path_factory.mktemp("checkpointed") / "run",
+                      SAVED)
+  assert runs.finalized_steps(run / "checkpoints") == [0, SAVED]
+  return run
 
 
 def largest_chunk_file(step: pathlib.Path) -> pathlib.Path:
@@ -120,14 +122,13 @@ MAXTEXT_ALONE = (
 
 
 def test_maxtext_alone_fails_on_the_truncated_chunk(checkpointed, smoke_data):
-  """The preflight flags a checkpoint MaxText really cannot restore; MaxText's own error hides why."""
+  """The preflight flags a checkpoint MaxText really cannot restore; MaxText's own error hides why. MaxText's
+  train alone (no `temoe train`, no preflight), forked like the session's runs (tests/runs.py's launch)."""
   run = damaged_copy(checkpointed, "maxtext-alone", CORRUPTIONS["truncated data chunk"][0])
   base = checkpointed.parent
   argv = runs.command(base, smoke_data, run, "alone.jsonl", *RESUME)[4:]  # MaxText's own arguments
-  proc = subprocess.run([sys.executable, "-c", MAXTEXT_ALONE, *argv], cwd=runs.ROOT, capture_output=True, text=True,
-                        timeout=HANG_S)
-  log = proc.stdout + proc.stderr
-  assert proc.returncode != 0 and "completed step" not in log
+  code, log = runs.finish(runs.launch([sys.executable, "-c", MAXTEXT_ALONE, *argv], base / "alone.log"), base, "alone")
+  assert code != 0 and "completed step" not in log
   assert "incompatible handler" in log
 
 
