@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -41,13 +40,15 @@ for factor in sys.argv[1:]:
 
 
 @pytest.fixture(scope="module")
-def skew_probe() -> dict[str, dict]:
-  """{ragged_buffer_factor: what the layer reported}, both factors in one process (one start-up, one model)."""
-  factors = ("1.0", "-1")
-  proc = subprocess.run([sys.executable, "-c", SKEW_PROBE, *factors], capture_output=True, text=True, cwd=HERE,
-                        env={**os.environ, **FOUR_DEVICES}, timeout=HANG_S)
-  rows = [json.loads(l[5:]) for l in proc.stdout.splitlines() if l.startswith("SKEW ")]
-  assert proc.returncode == 0 and [r["factor"] for r in rows] == list(factors), proc.stderr[-3000:]
+def skew_probe(tmp_path_factory) -> dict[str, dict]:
+  """{ragged_buffer_factor: what the layer reported}, both factors in one process (one start-up, one model) on 4
+  host devices, forked like the file's training run (tests/runs.py's launch: MaxText imported once for both)."""
+  factors, log = ("1.0", "-1"), tmp_path_factory.mktemp("skew") / "probe.log"
+  tests_dir = {"PYTHONPATH": os.pathsep.join(filter(None, (HERE, os.environ.get("PYTHONPATH"))))}  # unforked: -c's path
+  code = runs.launch([sys.executable, "-c", SKEW_PROBE, *factors], log, {**FOUR_DEVICES, **tests_dir}).wait(HANG_S)
+  text = log.read_text(encoding="utf-8")
+  rows = [json.loads(l[5:]) for l in text.splitlines() if l.startswith("SKEW ")]
+  assert code == 0 and [r["factor"] for r in rows] == list(factors), text[-3000:]
   return {r["factor"]: r for r in rows}
 
 
