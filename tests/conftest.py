@@ -159,13 +159,18 @@ def smoke_reference(temoe_reference) -> dict[int, float]:
 def profiled_smoke(tmp_path_factory, smoke_data):
   """One `temoe profile` CPU run of the smoke config with MoE metrics on (5 steps, the last 2 traced),
   shared by the profile and report tests (each reads it; the report writes only its report/ folder):
-  (run dir, CompletedProcess)."""
+  (run dir, CompletedProcess). Forked like the session's training runs (tests/runs.py's launch), its stdout and
+  stderr apart."""
+  import runs  # pylint: disable=import-outside-toplevel
+
   def profile(base):
     run = base / "run"
-    result = run_temoe("profile", SMOKE, f"grain_train_files={smoke_data}", "record_internal_nn_metrics=true",
-                       "--out", str(run), "--skip", "3", "--steps", "2")
-    assert result.returncode == 0, result.stderr[-4000:]
-    return {"run": str(run), "args": result.args, "stdout": result.stdout, "stderr": result.stderr}
+    argv = [sys.executable, "-m", "temoe.cli", "profile", SMOKE, f"grain_train_files={smoke_data}",
+            "record_internal_nn_metrics=true", "--out", str(run), "--skip", "3", "--steps", "2"]
+    code = runs.launch(argv, base / "stdout.log", err=base / "stderr.log").wait(HANG_S)
+    stdout, stderr = ((base / f"{name}.log").read_text(encoding="utf-8") for name in ("stdout", "stderr"))
+    assert code == 0, stderr[-4000:]
+    return {"run": str(run), "args": argv, "stdout": stdout, "stderr": stderr}
 
   done = once_per_session(tmp_path_factory, "profiled", profile)
   return pathlib.Path(done["run"]), subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])

@@ -3,7 +3,8 @@
 device count, environment, working directory, log file), forked before any JAX backend or thread exists.
 
 Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"} (with
-"code": the child runs that program as `python -c code args` would, instead of `temoe train`); each
+"code": the child runs that program as `python -c code args` would, instead of `temoe`'s; with "err": its stderr goes
+to that file, not to the log); each
 child's end is reported {"pid", "code"} (Popen's returncode: negative for a signal). EOF on stdin ends the server.
 tests/runs.py starts the session's training runs through it. Variables JAX reads when it is imported (JAX_*
 config defaults) are the server's, but for JAX_PLATFORMS, set again in the child; those read when a run starts
@@ -36,11 +37,12 @@ def run_child(request: dict) -> None:
 
     jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
   log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  err = os.open(request["err"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if "err" in request else log
   null = os.open(os.devnull, os.O_RDONLY)
-  for fd, target in ((null, 0), (log, 1), (log, 2)):
+  for fd, target in ((null, 0), (log, 1), (err, 2)):
     os.dup2(fd, target)
-  os.close(log)
-  os.close(null)
+  for fd in {log, err, null}:
+    os.close(fd)
   if "code" in request:
     sys.argv = ["-c", *request["args"]]
     exec(compile(request["code"], "<string>", "exec"), {"__name__": "__main__"})  # pylint: disable=exec-used

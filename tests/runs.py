@@ -106,8 +106,10 @@ class ForkServer:
     with self.changed:  # the server ended: whoever waits on an answer learns it now
       self.changed.notify_all()
 
-  def start(self, args: list[str], env: dict, log: pathlib.Path, code: str | None = None) -> Forked:
-    request = {"args": args, "env": env, "cwd": str(ROOT), "log": str(log), **({"code": code} if code else {})}
+  def start(self, args: list[str], env: dict, log: pathlib.Path, code: str | None = None,
+            err: pathlib.Path | None = None) -> Forked:
+    request = {"args": args, "env": env, "cwd": str(ROOT), "log": str(log), **({"code": code} if code else {}),
+               **({"err": str(err)} if err else {})}
     with self.lock:
       self.next_id += 1
       ask = self.next_id
@@ -127,17 +129,20 @@ class ForkServer:
 _SERVER: list[ForkServer] = []
 
 
-def launch(argv: list[str], log: pathlib.Path, env: dict | None = None) -> subprocess.Popen | Forked:
+def launch(argv: list[str], log: pathlib.Path, env: dict | None = None,
+           err: pathlib.Path | None = None) -> subprocess.Popen | Forked:
   """Starts `argv` (`python -m temoe.cli ...`, as `command()` gives it, or `python -c code ...`) with its stdout and
-  stderr to `log`: forked by the fork server (FORK), else a process of its own."""
+  stderr to `log` (its stderr to `err` if given): forked by the fork server (FORK), else a process of its own."""
   full_env = {**os.environ, **(env or {})}
+  for path in (log, err) if err else (log,):
+    path.write_text("", encoding="utf-8")
   if FORK:
-    log.write_text("", encoding="utf-8")
     if not _SERVER:
       _SERVER.append(ForkServer())
-    return _SERVER[0].start(argv[3:], full_env, log, code=argv[2] if argv[1] == "-c" else None)
-  out = open(log, "w", encoding="utf-8")  # pylint: disable=consider-using-with
-  return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=full_env)
+    return _SERVER[0].start(argv[3:], full_env, log, code=argv[2] if argv[1] == "-c" else None, err=err)
+  out = open(log, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+  errors = open(err, "a", encoding="utf-8") if err else subprocess.STDOUT  # pylint: disable=consider-using-with
+  return subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=errors, env=full_env)
 
 
 def start(base: pathlib.Path, data: str, run: str, metrics: str, *overrides: str, env: dict | None = None,
