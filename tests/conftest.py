@@ -196,8 +196,9 @@ runs files whole on each worker (--dist
 loadfile) in collection order (--no-loadscope-reorder): these go out first, then the other training runs (e2e),
 then the short unit files, so the last files to start are short and the workers finish together. The
 session's shared runs (temoe_reference, native_reference, profiled_smoke) are asked for first by
-test_preemption, test_train_e2e and test_profile, so they are usually done when test_interchange, test_resume,
-test_report and test_metrics ask for them."""
+test_reliability or test_preemption (whichever comes first trains temoe_reference; the other waits on its lock
+instead of compiling the same program beside it), test_train_e2e and test_profile, so they are usually done when
+test_interchange, test_resume, test_report and test_metrics ask for them."""
 FOLDER_ORDER = ("image", "slurm", "e2e", "unit", "gpu")
 
 
