@@ -84,10 +84,11 @@ def reference_tokens_mlp(ctx, wi, wo, calls):
   return run
 
 
-def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, context=None, **kw):
-  """Loss, output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis
-  (with `tokens_calls` a list: through reference_tokens_mlp, recording its calls there; `context`: more
-  MoEContext fields, e.g. the hierarchical exchange's ep_node_size)."""
+def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, context=None,
+           grads=True, **kw):
+  """Output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis (with `tokens_calls` a
+  list: through reference_tokens_mlp, recording its calls there; `context`: more MoEContext fields, e.g. the
+  hierarchical exchange's ep_node_size; grads=False: the forward alone, a smaller program, grads None)."""
   x, w, wi, wo, cot = args
   ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
                    buffer_factor=factor, align=align, **(context or {}))
@@ -103,6 +104,9 @@ def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, toke
         x, ids, w, wi.reshape(devices, local, *wi.shape[1:]), wo.reshape(devices, local, *wo.shape[1:]))
     return jnp.sum(out * cot), (out, stats)
 
+  if not grads:
+    _, (out, stats) = jax.jit(loss, compiler_options=FAST_COMPILE)(x, w, wi, wo)
+    return out, stats, None
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
   (_, (out, stats)), grads = grad(x, w, wi, wo)
   return out, stats, grads

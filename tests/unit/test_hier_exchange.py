@@ -122,7 +122,7 @@ def test_bounded_buffers_overflow_when_row_per_pair_does_and_stay_finite(factor)
   ids = routing(7, devices, local, top_k, "skewed")
   args = setup(devices, local, top_k, ids)
   _, stats, grads = hier_run(devices, node, local, top_k, ids, args, factor=factor)
-  _, p_stats, _ = hier_run(devices, node, local, top_k, ids, args, factor=factor, strategy=padded)
+  _, p_stats, _ = hier_run(devices, node, local, top_k, ids, args, factor=factor, strategy=padded, grads=False)
   capacity = exchange.receive_capacity(TOKENS * top_k, devices, factor)
   np.testing.assert_array_equal(stats["received"], p_stats["received"])
   assert bool(np.asarray(p_stats["overflow"]).any()) == (factor == 1.0)  # the hot node overflows a 1x buffer
