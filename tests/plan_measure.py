@@ -50,7 +50,7 @@ def compiled_train_step(config):
   compiled = train_compile.jit_and_compile(
       step, args, kwargs, mesh, in_sh, out_sh, static, donate, config, logical_axis_rules(config.logical_axis_rules)
   )
-  return compiled, mesh
+  return compiled, mesh, args[0]
 
 
 def measure(case: str) -> dict:
@@ -59,11 +59,15 @@ def measure(case: str) -> dict:
   from conftest import maxtext_config  # pylint: disable=import-outside-toplevel
   from temoe.tools import hbm  # pylint: disable=import-outside-toplevel
 
-  config = maxtext_config(*CASES[case], "log_config=false")
-  compiled, mesh = compiled_train_step(config)
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+  with introspect.yaml_read_once():  # the smoke config's chain, read before the fork
+    config = maxtext_config(*CASES[case], "log_config=false")
+  compiled, mesh, state = compiled_train_step(config)
   m = compiled.memory_analysis()
   measured = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-  estimate = hbm.estimate(config, mesh, "xla", "cpu")
+  # the abstract train state the step was compiled for: the one introspect.abstract_state builds (test_introspect_state)
+  estimate = hbm.estimate(config, mesh, "xla", "cpu", state=state)
   return {
       "case": case, "devices": mesh.size, "measured": measured, "estimate": estimate.peak,
       "memory_stats": jax.devices()[0].memory_stats(), "transient": estimate.transient.name,
@@ -103,12 +107,15 @@ def run_group(devices: int, cases: list[str], write: int) -> None:
 
 def main(argv: list[str]) -> int:
   sys.path.insert(0, os.path.dirname(__file__))
-  import conftest  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  import conftest  # pylint: disable=import-outside-toplevel
   import temoe  # pylint: disable=import-outside-toplevel
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
 
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
   temoe.register()
+  introspect.read_config_chain(conftest.SMOKE)  # every case is the smoke config with overrides
   assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
   children = []
   for devices, cases in groups(argv):
