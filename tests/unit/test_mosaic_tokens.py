@@ -164,7 +164,8 @@ def test_tokens_mlp_on_received_rows_with_empty_slots(monkeypatch):
 def test_the_current_gathered_quantizer_is_quantize_rows_of_what_dispatch_would_write(impl, monkeypatch):
   """fp8_quant.quantize_gathered against quantize_rows of the buffer, bit for bit: x's rows (E4M3) and
   dy's (the tokens' gradient times each slot's routing weight, in fp32, E5M2); an empty expert, padding
-  slots, rows over six decades, a NaN in one token (its experts' scales fall back to 1, as unfused)."""
+  slots, rows over six decades, a NaN in one token (its experts' scales fall back to 1, as unfused). Each
+  quantizer one jitted program, as in training (op by op, every primitive compiled on its own, costs more)."""
   monkeypatch.setattr(fp8_quant, "INTERPRET", True)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.choice([0, 2], (TOKENS, TOP_K)).astype(np.int32))  # expert 1 empty
@@ -184,8 +185,8 @@ def test_the_current_gathered_quantizer_is_quantize_rows_of_what_dispatch_would_
                                   np.asarray(buffer, np.float32))
     for weight, rows, dtype in ((None, buffer, fp8_quant.E4M3),
                                 (slot_weights, buffer.astype(jnp.float32) * slot_weights[:, None], fp8_quant.E5M2)):
-      want = fp8_quant.quantize_rows(rows, tiles, EXPERTS, dtype, impl="xla")
-      got = fp8_quant.quantize_gathered(x, index, tiles, EXPERTS, dtype, weight, impl=impl)
+      want = jax.jit(fp8_quant.quantize_rows, static_argnums=(2, 3, 4))(rows, tiles, EXPERTS, dtype, "xla")
+      got = jax.jit(fp8_quant.quantize_gathered, static_argnums=(3, 4, 6))(x, index, tiles, EXPERTS, dtype, weight, impl)
       assert float(got[2][1]) == 1.0  # the empty expert
       sick = sorted(set(np.asarray(ids)[5].tolist())) if poison else []  # token 5's experts
       clean = ~np.isin(np.repeat(np.asarray(tiles), 128), sick)  # the rows of the other experts
