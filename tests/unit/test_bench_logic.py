@@ -209,7 +209,7 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
     return refreshed(w if impl == "xla" else w.at[0, 1].multiply(1.5), impl)
 
   monkeypatch.setattr(weight_quant, "refreshed_copies", wrong_on_triton)
-  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "6,128,256", "--layers", "3",
+  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "6,128,128", "--layers", "3",
                                     "--iters", "1"])
   weight_quant.main()
   result = json.loads((tmp_path / "weight_quant.json").read_text())
@@ -225,7 +225,7 @@ def test_weight_quant_bench_checks_every_form_against_the_shipped_one(tmp_path, 
   assert kept["refresh_triton"]["bitwise_equal_forward_and_backward"] is False
   assert kept["refresh_xla"]["differing_elements"] == {"scales": 0, "w_q": 0, "w_q_t": 0}
   wrong = kept["refresh_triton"]["differing_elements"]  # one expert of layer 0: its scale and some of its K x N
-  assert wrong["scales"] == 1 and 0 < wrong["w_q"] <= 128 * 256 and 0 < wrong["w_q_t"] <= 128 * 256, wrong
+  assert wrong["scales"] == 1 and 0 < wrong["w_q"] <= 128 * 128 and 0 < wrong["w_q_t"] <= 128 * 128, wrong
   assert kept["saving_xla_ms_per_layer"] == pytest.approx(
       kept["today_ms_per_layer"] - kept["refresh_xla"]["ms_per_layer"] - kept["slices_ms_per_layer"])
   assert (tmp_path / "weight_quant.png").exists()
@@ -240,7 +240,7 @@ def test_weight_quant_bench_shipped_only_times_the_shipped_forms_and_kept_copies
   from temoe.moe.experts import fp8_quant  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(fp8_quant, "INTERPRET", True)
-  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "4,128,256", "--layers", "2",
+  monkeypatch.setattr(sys, "argv", ["weight_quant.py", "--out", str(tmp_path), "--shape", "4,128,128", "--layers", "2",
                                     "--iters", "1", "--shipped-only"])
   weight_quant.main()
   result = json.loads((tmp_path / "weight_quant.json").read_text())
