@@ -57,6 +57,7 @@ def main() -> int:
   preallocate = os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")  # what the measured runs see, as the proxy bench's
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # planning here takes none of the GPU's memory
   sys.path.insert(0, str(HERE))
+  import bench_common_smoke  # pylint: disable=import-outside-toplevel
   import proxy_1gpu  # pylint: disable=import-outside-toplevel
   import training_runs  # pylint: disable=import-outside-toplevel
 
@@ -69,14 +70,20 @@ def main() -> int:
   measured = {k: peak for k, (peak, _) in found.items()}
   sources = {k: f for k, (_, f) in found.items()}
   workdir = tempfile.mkdtemp(prefix="plan-check-")  # the measured runs' output directories
+
+  def measure(run: str, how=training_runs.measure) -> dict:
+    env = proxy_1gpu.environment(proxy_1gpu.split_name(run)[0])
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    env.update({} if preallocate is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
+    return how(run, proxy_1gpu.args_of(run, args.smoke), args.steps, workdir, args.timeout, env)
+
   worst, rows = 0.0, []
   try:
+    # --smoke: every run forked from this process (bench_common_smoke) before its planning makes a JAX backend
+    forked = {run: measure(run, bench_common_smoke.measure) for run in runs} if args.measure and args.smoke else {}
     for run in runs:
       if args.measure:
-        env = proxy_1gpu.environment(proxy_1gpu.split_name(run)[0])
-        env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
-        env.update({} if preallocate is None else {"XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
-        row = training_runs.measure(run, proxy_1gpu.args_of(run, args.smoke), args.steps, workdir, args.timeout, env)
+        row = forked[run] if run in forked else measure(run)
         measured[run] = row.get("peak_hbm_gib")
         if not measured[run]:
           print(f"{run}: no peak measured: {row.get('error') or 'this device reports no memory_stats'}")

@@ -53,6 +53,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common_smoke  # noqa: E402  # pylint: disable=wrong-import-position
 import training_runs  # noqa: E402  # pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -232,7 +233,9 @@ def environment(path: str) -> dict:
 
 
 def measure(run: str, steps: int, workdir: str, timeout: int, smoke: bool = False) -> dict:
-  return training_runs.measure(run, args_of(run, smoke), steps, workdir, timeout, environment(split_name(run)[0]))
+  """`run`'s row: a fresh process (training_runs), or with --smoke a run forked from this one (bench_common_smoke)."""
+  how = bench_common_smoke.measure if smoke else training_runs.measure
+  return how(run, args_of(run, smoke), steps, workdir, timeout, environment(split_name(run)[0]))
 
 
 def ratios(paths: dict) -> dict:

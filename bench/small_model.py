@@ -19,7 +19,7 @@ idle) and its difference between the first two profiled paths; each trace is cop
 and `--analyse` fills the breakdown in from those copies on another machine if the analysis could not
 run where the traces were taken. `--smoke`: the same code on this CPU at a tiny size (tokamax has no
 CPU kernel there: MaxText's own ragged_dot stands in; FP8 paths need a GPU; a profiled path trains its
---steps in its profile run, one process fewer).
+--steps in its profile run, one process fewer; each run forked from this process, bench/bench_common_smoke.py).
 
     python bench/small_model.py [--paths temoe_fp8,temoe_bf16,tokamax] [--steps 30] [--data learnable]
         [--profile] [--out bench/results] [key=value ...]
@@ -40,6 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common_smoke  # noqa: E402  # pylint: disable=wrong-import-position
 import training_runs  # noqa: E402  # pylint: disable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -97,15 +98,19 @@ def args_of(path: str, extra: list[str]) -> list[str]:
   return [CONFIG, *COMMON, *PATHS[path], *extra]
 
 
-def profile(path: str, extra: list[str], workdir: str, out: str, timeout: int, skip: int = PROFILE_SKIP) -> dict:
-  """`temoe profile` of `path` in a fresh process (`skip` steps, then PROFILE_STEPS traced): its step breakdown,
-  and a copy of its trace in `out`."""
+def profile(path: str, extra: list[str], workdir: str, out: str, timeout: int, skip: int = PROFILE_SKIP,
+            smoke: bool = False) -> dict:
+  """`temoe profile` of `path` in a fresh process (`skip` steps, then PROFILE_STEPS traced; --smoke: forked from
+  this one, bench_common_smoke): its step breakdown, and a copy of its trace in `out`."""
   run_dir = os.path.join(workdir, "profile", path)
   cmd = [sys.executable, "-m", "temoe.cli", "profile", *args_of(path, extra), "--out", run_dir,
          "--skip", str(skip), "--steps", str(PROFILE_STEPS)]
   start = time.monotonic()
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if smoke:
+      proc = bench_common_smoke.cli(cmd[3:], timeout)
+    else:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout}s"}
   row = {"wall_s": round(time.monotonic() - start, 1)}
@@ -236,17 +241,18 @@ def main(argv: list[str] | None = None) -> int:
   in_profile = set(args.profile_paths.split(",")) if args.profile and args.smoke else set()
   for path in args.paths.split(","):
     if path in in_profile:  # --smoke: the path trains in its profile run, the last PROFILE_STEPS steps traced
-      profiles[path] = profile(path, extra, workdir, args.out, args.timeout, skip=args.steps - PROFILE_STEPS)
+      profiles[path] = profile(path, extra, workdir, args.out, args.timeout, skip=args.steps - PROFILE_STEPS,
+                               smoke=True)
       result["paths"][path] = trained_in_profile(path, workdir, profiles[path], window)
-    else:
-      result["paths"][path] = training_runs.measure(path, args_of(path, extra), args.steps, workdir, args.timeout,
-                                                    loss_window=window)
+    else:  # --smoke: forked from this process (bench_common_smoke), else a fresh one
+      how = bench_common_smoke.measure if args.smoke else training_runs.measure
+      result["paths"][path] = how(path, args_of(path, extra), args.steps, workdir, args.timeout, loss_window=window)
     print(path, json.dumps(result["paths"][path]), flush=True)
     save()
   if args.profile:
     for path in args.profile_paths.split(","):
       if path not in profiles:
-        profiles[path] = profile(path, extra, workdir, args.out, args.timeout)
+        profiles[path] = profile(path, extra, workdir, args.out, args.timeout, smoke=args.smoke)
       print("profile", path, json.dumps({k: v for k, v in result["profile"][path].items() if k != "top_ops"}), flush=True)
       result["profile_difference"] = profile_difference(result["profile"])
       save()

@@ -1,5 +1,6 @@
 """The GPU benchmarks' code paths on this CPU at tiny widths (--smoke): each path trains in its own
-process, the proxy at two depths with its per-layer time, the small model on the learnable stream
+process (forked from the bench's, which imported MaxText once: bench/bench_common_smoke.py), the proxy at two
+depths with its per-layer time, the small model on the learnable stream
 with its loss ratio and a profiled path. The numbers mean nothing here; the structure and the
 arithmetic between runs are what is checked."""
 
