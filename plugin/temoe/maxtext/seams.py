@@ -84,7 +84,7 @@ def check_maxtext() -> None:
 
 
 TOUCHPOINTS = {
-    "maxtext.configs.pyconfig": ("initialize",),
+    "maxtext.configs.pyconfig": ("initialize", "_load_config"),  # introspect.yaml_read_once wraps the second
     "maxtext.configs.types": ("MaxTextConfig", "DecoderBlockType"),
     "maxtext.layers.moe": ("RoutedMoE", "GateLogit", "calculate_load_balance_updates", "calculate_expert_counts",
                            "uses_megatron_seq_aux_loss"),
