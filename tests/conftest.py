@@ -65,9 +65,11 @@ def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
   import temoe  # pylint: disable=import-outside-toplevel
   import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (MaxText's asset root, first)
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   temoe.register()
-  return pyconfig.initialize(["test", config, f"base_output_directory={tmp}", "run_name=test", *overrides])
+  with introspect.yaml_read_once():  # a process's builds of one YAML chain read it once (the same config key for key)
+    return pyconfig.initialize(["test", config, f"base_output_directory={tmp}", "run_name=test", *overrides])
 
 
 HANG_S = 1800
