@@ -7,9 +7,7 @@ a GPU every run is a fresh process (bench/training_runs.py), so that its allocat
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -82,16 +80,7 @@ def measure(name: str, maxtext_args: list[str], steps: int, workdir: str, timeou
                   f"forked run {name}")
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout}s", "wall_s": round(time.monotonic() - start, 1)}
-  wall = round(time.monotonic() - start, 1)
-  metrics = pathlib.Path(training_runs.metrics_path(workdir, name))
-  if proc.returncode != 0 or not metrics.exists():
-    return {"error": training_runs.error_of(proc), "wall_s": wall}
-  rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
-  if not rows:
-    return {"error": "the run wrote no metrics rows", "wall_s": wall}
-  peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
-  return {**training_runs.summary(rows, loss_window),
-          "peak_hbm_gib": (peak[0]["peak_bytes"] / 2**30) if peak and peak[0]["peak_bytes"] else None, "wall_s": wall}
+  return training_runs.row_of(proc, name, workdir, round(time.monotonic() - start, 1), loss_window)
 
 
 def cli(args: list[str], timeout: int) -> subprocess.CompletedProcess:

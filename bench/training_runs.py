@@ -84,18 +84,21 @@ def measure(name: str, maxtext_args: list[str], steps: int, workdir: str, timeou
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ))
   except subprocess.TimeoutExpired:
     return {"error": f"timed out after {timeout}s", "wall_s": round(time.monotonic() - start, 1)}
-  wall = round(time.monotonic() - start, 1)
-  peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
+  return row_of(proc, name, workdir, round(time.monotonic() - start, 1), loss_window)
+
+
+def row_of(proc: subprocess.CompletedProcess, name: str, workdir: str, wall: float, loss_window: int = 0) -> dict:
+  """A finished run's row: its metrics' summary with `peak_hbm_gib` (its BENCH_PEAK line; None where the device
+  reports none) and `wall_s`, or {"error": ..., "wall_s": ...}; the same for a fresh process and a forked one."""
   metrics = pathlib.Path(metrics_path(workdir, name))
   if proc.returncode != 0 or not metrics.exists():
     return {"error": error_of(proc), "wall_s": wall}
   rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
   if not rows:
     return {"error": "the run wrote no metrics rows", "wall_s": wall}
-  out = summary(rows, loss_window)
-  out["peak_hbm_gib"] = (peak[0]["peak_bytes"] / 2**30) if peak and peak[0]["peak_bytes"] else None
-  out["wall_s"] = wall
-  return out
+  peak = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("BENCH_PEAK ")]
+  return {**summary(rows, loss_window),
+          "peak_hbm_gib": (peak[0]["peak_bytes"] / 2**30) if peak and peak[0]["peak_bytes"] else None, "wall_s": wall}
 
 
 def main() -> None:
