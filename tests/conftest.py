@@ -43,11 +43,15 @@ def _session_jax_cache() -> str:
 JAX_CACHE = _session_jax_cache()
 
 
-FAST_XLA_CPU = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+FAST_XLA_CPU = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_multi_thread_eigen=false")
 """XLA:CPU's LLVM at -O0 without its expensive passes, for every JAX process of the session (this one, its
 workers, the training runs they start): the same HLO passes, so the same buffers and memory analysis, and a
-smoke run's cold compile+run in 32 CPU-s instead of 54 (its losses equal to printed precision). Runs of the
-session compare with runs of the same session only, all compiled alike; `make train` keeps XLA's default."""
+smoke run's cold compile+run in 32 CPU-s instead of 54 (its losses equal to printed precision). Eigen's ops on one
+thread: the suite runs more JAX processes than CI has cores, and their intra-op pools only contend (three 24-step
+smoke runs side by side on 2 cores: 54.9 -> 51.2 user CPU-s each, 89 -> 84 s; losses equal to printed precision).
+Runs of the session compare with runs of the same session only, all compiled alike; `make train` keeps XLA's
+default."""
 
 
 def xla_flags(devices: int | None = None) -> str:
