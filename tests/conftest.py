@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 import pytest
+import resource
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "deepseek3-smoke.yml")
@@ -206,6 +207,30 @@ test_reliability or test_preemption (whichever comes first trains temoe_referenc
 instead of compiling the same program beside it), test_train_e2e and test_profile, so they are usually done when
 test_interchange, test_resume, test_report and test_metrics ask for them."""
 FOLDER_ORDER = ("image", "slurm", "e2e", "unit", "gpu")
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+  """User+system CPU seconds of this process and of the children it has waited for."""
+  own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+  item.stash[_CPU_AT_SETUP] = _cpu_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Each test's CPU seconds (its setup, call and teardown: this worker and the processes it waited for; a
+  container's or a Slurm job's processes are not its children) as the `cpu_s` property of its JUnit record:
+  on CI's 2 cores the suite's time is its CPU time, and this says where it goes."""
+  if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+    item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_SETUP], 1)))
+  yield
 
 
 def pytest_collection_modifyitems(items):
