@@ -213,9 +213,11 @@ _CPU_AT_SETUP = pytest.StashKey[float]()
 
 
 def _cpu_s() -> float:
-  """User+system CPU seconds of this process and of the children it has waited for."""
+  """User+system CPU seconds of this process, of the children it has waited for, and of the runs the fork server
+  forked for it that have ended (tests/runs.py's forked_cpu_s: the server's children, not this process's)."""
   own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+  forked = sys.modules["runs"].forked_cpu_s() if "runs" in sys.modules else 0.0
+  return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + forked
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -225,9 +227,10 @@ def pytest_runtest_setup(item):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-  """Each test's CPU seconds (its setup, call and teardown: this worker and the processes it waited for; a
-  container's or a Slurm job's processes are not its children) as the `cpu_s` property of its JUnit record:
-  on CI's 2 cores the suite's time is its CPU time, and this says where it goes."""
+  """Each test's CPU seconds (its setup, call and teardown: this worker, the processes it waited for and the runs
+  forked for it that ended meanwhile; a container's or a Slurm job's processes are not its children) as the
+  `cpu_s` property of its JUnit record: on CI's 2 cores the suite's time is its CPU time, and this says where it
+  goes."""
   if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
     item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_SETUP], 1)))
   yield

@@ -2,10 +2,12 @@
 `temoe train` per request: each run is still a process of its own (its pid, signals, exit code, JAX backend and
 device count, environment, working directory, log file), forked before any JAX backend or thread exists.
 
-Protocol (JSON lines): a request {"id", "args", "env", "cwd", "log"} on stdin is answered {"id", "pid"} (with
-"code": the child runs that program as `python -c code args` would, instead of `temoe`'s; with "err": its stderr goes
-to that file, not to the log); each
-child's end is reported {"pid", "code"} (Popen's returncode: negative for a signal). EOF on stdin ends the server.
+Protocol (JSON lines): once its imports are done it says {"ready": pid, "cpu_s": what they cost}; a request {"id",
+"args", "env", "cwd", "log"} on stdin is answered {"id", "pid"} (with "code": the child runs that program as
+`python -c code args` would, instead of `temoe`'s; with "err": its stderr goes to that file, not to the log); each
+child's end is reported {"pid", "code", "cpu_s"} (Popen's returncode: negative for a signal; the child's user+system
+CPU seconds, its own and its waited-for children's, from wait4's rusage: they are the server's children, not the
+test's, so the test's own CPU count would miss them). EOF on stdin ends the server.
 tests/runs.py starts the session's training runs through it. Variables JAX reads when it is imported (JAX_*
 config defaults) are the server's, but for JAX_PLATFORMS, set again in the child; those read when a run starts
 (XLA_FLAGS, SLURM_*, JAX_COORDINATOR_ADDRESS, M_*, TEMOE_*) are the run's own.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import select
 import sys
 
@@ -54,12 +57,13 @@ def run_child(request: dict) -> None:
 def reap() -> None:
   while True:
     try:
-      pid, status = os.waitpid(-1, os.WNOHANG)
+      pid, status, usage = os.wait4(-1, os.WNOHANG)
     except ChildProcessError:
       return
     if pid == 0:
       return
-    print(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status)}), flush=True)
+    print(json.dumps({"pid": pid, "code": os.waitstatus_to_exitcode(status),
+                      "cpu_s": usage.ru_utime + usage.ru_stime}), flush=True)
 
 
 def serve() -> None:
@@ -68,7 +72,8 @@ def serve() -> None:
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
 
   assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
-  print(json.dumps({"ready": os.getpid()}), flush=True)
+  usage = resource.getrusage(resource.RUSAGE_SELF)  # the imports' cost, counted once, in the test that started it
+  print(json.dumps({"ready": os.getpid(), "cpu_s": usage.ru_utime + usage.ru_stime}), flush=True)
   pending = b""
   while True:
     if select.select([0], [], [], 0.01)[0]:

@@ -44,6 +44,16 @@ FORK = os.environ.get("TEMOE_TEST_FORK", "1") != "0"
 a run); TEMOE_TEST_FORK=0 starts each with `python -m temoe.cli` instead."""
 
 
+_FORKED_CPU_S = [0.0]
+
+
+def forked_cpu_s() -> float:
+  """User+system CPU seconds of the forked runs that have ended so far in this process's session (the fork server
+  reports each child's at its end) and of the server's imports: conftest's cpu_s hook adds them to the test they
+  ended in."""
+  return _FORKED_CPU_S[0]
+
+
 class Forked:
   """A run forked by the fork server, with the parts of Popen the tests use: pid, poll, wait, returncode, kill."""
 
@@ -79,6 +89,7 @@ class ForkServer:
       ready = self.proc.stdout.readline()
       assert ready, "the fork server ended before it was ready"
       if ready.startswith('{"ready"'):
+        _FORKED_CPU_S[0] += json.loads(ready).get("cpu_s", 0.0)
         break
     threading.Thread(target=self.read, daemon=True).start()
     atexit.register(self.stop)
@@ -102,6 +113,7 @@ class ForkServer:
           self.codes.pop(reply["pid"], None)
         else:
           self.codes[reply["pid"]] = reply["code"]
+          _FORKED_CPU_S[0] += reply.get("cpu_s", 0.0)
         self.changed.notify_all()
     with self.changed:  # the server ended: whoever waits on an answer learns it now
       self.changed.notify_all()
