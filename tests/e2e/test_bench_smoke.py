@@ -1,5 +1,6 @@
-"""The GPU benchmarks' code paths on this CPU at tiny widths (--smoke): each path trains in its own
-process (forked from the bench's, which imported MaxText once: bench/bench_common_smoke.py), the proxy at two
+"""The GPU benchmarks' code paths on this CPU at tiny widths (--smoke): each bench forked from the session's fork
+server (tests/scripts.py: MaxText imported already), each path trains in its own process (forked from the bench's:
+bench/bench_common_smoke.py), the proxy at two
 depths with its per-layer time, the small model on the learnable stream
 with its loss ratio and a profiled path. The numbers mean nothing here; the structure and the
 arithmetic between runs are what is checked."""
@@ -7,11 +8,10 @@ arithmetic between runs are what is checked."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+import scripts
 from conftest import HANG_S, ROOT
 
 
@@ -21,8 +21,7 @@ machine took longer than 150 s for a smoke run, and a run cut short is an error 
 
 
 def bench(script: str, out, *args: str) -> dict:
-  done = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out), *RUN_TIMEOUT, *args],
-                        capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+  done = scripts.run(ROOT / "bench" / script, "--smoke", "--out", str(out), *RUN_TIMEOUT, *args)
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   return json.loads((out / script.replace(".py", ".json")).read_text())
 
@@ -61,9 +60,8 @@ def test_plan_check_measures_and_plans_each_run(tmp_path):
   """On CPU the run trains but reports no peak (no memory_stats): planned, and said so (exit 2). The run is the
   proxy test's shallow one (same flags and steps): its program comes from the session's compilation cache."""
   out = tmp_path / "rows.json"
-  done = subprocess.run([sys.executable, str(ROOT / "bench" / "plan_check.py"), "--measure", "--smoke", "--paths",
-                         "temoe_fp8@2", "--steps", "5", "--out", str(out), *RUN_TIMEOUT], capture_output=True, text=True,
-                        timeout=HANG_S, cwd=ROOT)
+  done = scripts.run(ROOT / "bench" / "plan_check.py", "--measure", "--smoke", "--paths", "temoe_fp8@2", "--steps", "5",
+                     "--out", str(out), *RUN_TIMEOUT)
   assert done.returncode == 2, (done.stdout + done.stderr)[-4000:]
   assert "temoe_fp8@2: no peak measured: this device reports no memory_stats" in done.stdout
   (row,) = json.loads(out.read_text())["rows"]
