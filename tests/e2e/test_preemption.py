@@ -44,9 +44,11 @@ def random_trials(kinds: tuple[str, ...], seed: int, last: int) -> list[tuple[st
 
 
 # the single process's latest moment, the 3rd save (step 8, a save every 4 steps from step 0), stops it well
-# before the 16-step reference ends; the pair compares with its own 32-step reference
+# before the 16-step reference ends; the pair compares with its own 32-step reference. In CI the pair is signalled
+# while the first save (step 0) is in flight: a step of the pair costs both processes ~1.5 CPU-s, and the stop in
+# the midst of an asynchronous save is the same whichever save it is
 ONE = random_trials(tuple(MOMENTS), 1, 3) if TRIALS else [("compile", 1), ("an async save", 2)]
-TWO = random_trials(tuple(MOMENTS), 2, 6) if TRIALS else [("an async save", 2)]
+TWO = random_trials(tuple(MOMENTS), 2, 6) if TRIALS else [("an async save", 1)]
 
 
 def flags(async_checkpointing: str, steps: int = STEPS) -> tuple[str, ...]:
