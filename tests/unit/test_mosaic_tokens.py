@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from compile_cache import persistent_cache
 from temoe import recipes
 from temoe.moe import block, dispatch, exchange
 from temoe.moe.context import MoEContext
@@ -21,6 +22,13 @@ from temoe.moe.experts import fp8_block, fp8_quant, mosaic, mosaic_gemm, mosaic_
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
 RECIPE = "te_fp8_blockwise"
 RECIPES = ("te_fp8_blockwise", "te_fp8_current")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache():
+  """Interpreted kernels' programs loaded, not compiled again (compile_cache)."""
+  with persistent_cache():
+    yield
 
 
 def rel(a, b):
