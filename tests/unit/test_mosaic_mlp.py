@@ -11,12 +11,20 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from compile_cache import persistent_cache
 from temoe import recipes
 from temoe.moe import dispatch
 from temoe.moe.context import MoEContext
 from temoe.moe.experts import mosaic, mosaic_gemm, xla
 
 EXPERTS, EMB, FFN, TOKENS, TOP_K = 3, 128, 128, 96, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache():
+  """Interpreted kernels' programs loaded, not compiled again (compile_cache)."""
+  with persistent_cache():
+    yield
 
 
 @pytest.mark.parametrize("recipe", ["te_no_quant", "te_fp8_current", "te_fp8_blockwise"])
