@@ -1,7 +1,7 @@
 """Every config in configs/ passes MaxText's own validation on the cluster it is written for.
 
 Each check runs tests/config_check.py in a fresh process (forked from one that imported MaxText, before any JAX
-backend) that simulates the cluster's device count, lets temoe's recipe checks see the target GPU, validates
+backend; that one forked from the session's fork server: tests/scripts.py) that simulates the cluster's device count, lets temoe's recipe checks see the target GPU, validates
 through MaxText's pyconfig, and lays MaxText's mesh over the cluster's GPUs (one slice per node, as XLA reports
 GPUs): the mesh must hold exactly the cluster's GPUs. The 671B presets must hold DeepSeek-V3's 671B parameters with
 37B active per token, counted from their shapes by temoe.tools.model_size, which must itself agree with
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import HANG_S, ROOT, SMOKE, maxtext_config
+import scripts
+from conftest import ROOT, SMOKE, maxtext_config
 from temoe.tools import model_size
 
 CONFIGS = ROOT / "configs"
@@ -66,10 +66,9 @@ CHECKS = {
 @pytest.fixture(scope="module")
 def checked() -> dict[str, dict]:
   """Each check's result, each from its own process (forked, before any JAX backend, from one that imported
-  MaxText once: config_check.py --batch)."""
+  MaxText once: config_check.py --batch, itself forked from the session's fork server)."""
   names = list(CHECKS)
-  done = subprocess.run([sys.executable, str(ROOT / "tests" / "config_check.py"), "--batch"], cwd=ROOT,
-                        input=json.dumps([CHECKS[n] for n in names]), capture_output=True, text=True, timeout=HANG_S)
+  done = scripts.run(ROOT / "tests" / "config_check.py", "--batch", stdin=json.dumps([CHECKS[n] for n in names]))
   results = {}
   for line in done.stdout.splitlines():
     if line.startswith("CONFIG_CHECK "):

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import types
 
 import pytest
 
-from conftest import HANG_S, ROOT, SMOKE
+import scripts
+from conftest import ROOT, SMOKE
 from temoe.tools import plan
 
 TOLERANCE = plan.TOLERANCE
@@ -21,10 +21,9 @@ TOLERANCE = plan.TOLERANCE
 @pytest.fixture(scope="module")
 def cpu_peaks():
   """{case: measured and estimated bytes}, from one process whose two children (1 and 4 host devices) run side by
-  side, MaxText imported once before they fork."""
-  done = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_measure.py"), "smoke", "loss", "seq_256", "batch_16",
-                         "remat_minimal", "unrolled", "--devices", "4", "fsdp_state", "expert_parallel"], cwd=ROOT,
-                        capture_output=True, text=True, timeout=HANG_S)
+  side, forked (tests/scripts.py) from the session's fork server: MaxText imported already."""
+  done = scripts.run(ROOT / "tests" / "plan_measure.py", "smoke", "loss", "seq_256", "batch_16", "remat_minimal",
+                     "unrolled", "--devices", "4", "fsdp_state", "expert_parallel")
   assert done.returncode == 0, done.stderr[-3000:]
   rows = {r["case"]: r for r in (json.loads(line.split(" ", 1)[1]) for line in done.stdout.splitlines()
                                   if line.startswith("PLAN_MEASURE "))}
