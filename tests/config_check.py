@@ -94,13 +94,14 @@ def check(argv: list[str]) -> dict:
 
 
 def batch(checks: list[list[str]]) -> None:
-  """Each check in a child forked from this process once MaxText is imported (no JAX backend, no thread yet)."""
+  """Each check in a child forked from this process once MaxText is imported (tests/forked_cases.py: no JAX backend,
+  no thread yet)."""
   import importlib  # pylint: disable=import-outside-toplevel
 
   sys.path.insert(0, os.path.dirname(__file__))
   import conftest  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  import forked_cases  # pylint: disable=import-outside-toplevel
   import temoe.maxtext  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import  (before MaxText)
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from temoe.maxtext import introspect, seams  # pylint: disable=import-outside-toplevel
 
   # what a check imports: MaxText's modules temoe.register() checks (imported, not hooked), temoe's own
@@ -110,26 +111,16 @@ def batch(checks: list[list[str]]) -> None:
     importlib.import_module(name)
   for config in {parse(argv)[0].config for argv in checks}:  # each YAML chain read once, not once a check
     introspect.read_config_chain(config)
-  assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
   for i, argv in enumerate(checks):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: one check, its line through the pipe, and out without the parent's exit handlers
-      os.close(read)
-      code = 0
+    def one(out, argv=argv) -> int:  # the child: one check, its line through the pipe
       try:
-        line = json.dumps(check(argv))
+        out.write(json.dumps(check(argv)))
+        return 0
       except BaseException as exc:  # pylint: disable=broad-exception-caught
-        line, code = json.dumps({"crash": f"{type(exc).__name__}: {exc}"}), 1
-      with os.fdopen(write, "w", encoding="utf-8") as out:
-        out.write(line)
-      sys.stdout.flush()
-      sys.stderr.flush()
-      os._exit(code)  # pylint: disable=protected-access
-    os.close(write)
-    with os.fdopen(read, encoding="utf-8") as got:
-      line = got.read()
-    _, status = os.waitpid(pid, 0)
+        out.write(json.dumps({"crash": f"{type(exc).__name__}: {exc}"}))
+        return 1
+
+    line, status = forked_cases.collect(*forked_cases.fork(one))
     if not line:
       line = json.dumps({"crash": f"check process ended with status {status} and no result"})
     print(f"CONFIG_CHECK {i} {line}", flush=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 
 CASES = {  # name -> MaxText overrides of the smoke config
     "smoke": [],  # the MoE layer's buffers dominate (XLA's dense ragged_dot)
@@ -88,49 +87,31 @@ def groups(argv: list[str]) -> list[tuple[int, list[str]]]:
   return out
 
 
-def run_group(devices: int, cases: list[str], write: int) -> None:
-  """In a forked child: `cases` on `devices` host devices, a PLAN_MEASURE line each through `write`; exits."""
-  code = 0
-  with os.fdopen(write, "w", encoding="utf-8") as out:
-    try:
-      os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-      for name in cases:
-        out.write("PLAN_MEASURE " + json.dumps(measure(name)) + "\n")
-        out.flush()
-    except BaseException:  # pylint: disable=broad-exception-caught
-      traceback.print_exc()
-      code = 1
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os._exit(code)  # pylint: disable=protected-access  (not the parent's exit handlers)
+def run_group(devices: int, cases: list[str], out) -> None:
+  """In a forked child (tests/forked_cases.py): `cases` on `devices` host devices, a PLAN_MEASURE line each to `out`."""
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  for name in cases:
+    out.write("PLAN_MEASURE " + json.dumps(measure(name)) + "\n")
+    out.flush()
 
 
 def main(argv: list[str]) -> int:
   sys.path.insert(0, os.path.dirname(__file__))
   import conftest  # pylint: disable=import-outside-toplevel
+  import forked_cases  # pylint: disable=import-outside-toplevel
   import temoe  # pylint: disable=import-outside-toplevel
-  from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.pre_train import train_compile  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
 
   from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
 
   temoe.register()
   introspect.read_config_chain(conftest.SMOKE)  # every case is the smoke config with overrides
-  assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access
-  children = []
-  for devices, cases in groups(argv):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-      os.close(read)
-      run_group(devices, cases, write)
-    os.close(write)
-    children.append((pid, read))
+  children = [forked_cases.fork(lambda out, d=devices, c=cases: run_group(d, c, out)) for devices, cases in groups(argv)]
   failed = 0
-  for pid, read in children:
-    with os.fdopen(read, encoding="utf-8") as got:
-      sys.stdout.write(got.read())
-    failed |= os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+  for child in children:  # side by side: each group's child is forked before the first is read
+    text, status = forked_cases.collect(*child)
+    sys.stdout.write(text)
+    failed |= os.waitstatus_to_exitcode(status) != 0
   sys.stdout.flush()
   return 1 if failed else 0
 
