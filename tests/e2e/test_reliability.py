@@ -285,8 +285,7 @@ def test_a_checkpoint_directory_turning_read_only_mid_run_stops_it_and_the_proce
   log = tmp_path / "ro-mid.jsonl.log"
   try:
     deadline = time.monotonic() + HANG_S
-    while proc.poll() is None and not runs.finalized_steps(bind_mounted_checkpoints) and time.monotonic() < deadline:
-      time.sleep(0.002)
+    runs.wait_for_checkpoint(proc, bind_mounted_checkpoints)
     assert proc.poll() is None, log.read_text(encoding="utf-8")[-3000:]
     os.kill(proc.pid, signal.SIGSTOP)
     subprocess.run(["mount", "-o", "remount,ro,bind", str(bind_mounted_checkpoints)], check=True)
