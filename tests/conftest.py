@@ -15,6 +15,8 @@ import tempfile
 import pytest
 import resource
 
+from temoe.run import pygc
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMOKE = str(ROOT / "configs" / "deepseek3-smoke.yml")
 
@@ -63,6 +65,12 @@ def xla_flags(devices: int | None = None) -> str:
 
 if FAST_XLA_CPU not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_XLA_CPU}".strip()
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+"""numpy's BLAS on one thread in every process of the session (the workers start after this line): the suite keeps
+more processes busy than CI has cores, and OpenBLAS's idle threads spin before they sleep (~1% of the suite's CPU
+in blas_thread_server, sampled over a whole run)."""
+
+pygc.configure()  # as `temoe train` and the fork server do (temoe/run/pygc.py); the imports frozen after collection
 
 
 def maxtext_config(*overrides: str, config: str = SMOKE, tmp: str = _OUTPUT):
@@ -234,6 +242,12 @@ def pytest_runtest_makereport(item, call):
   if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
     item.user_properties.append(("cpu_s", round(_cpu_s() - item.stash[_CPU_AT_SETUP], 1)))
   yield
+
+
+def pytest_collection_finish(session):  # pylint: disable=unused-argument
+  """Every test module is imported (and with them JAX and MaxText, where they import them): out of the collector's
+  view from here on, as temoe/run/pygc.py says why."""
+  pygc.freeze_imports()
 
 
 def pytest_collection_modifyitems(items):

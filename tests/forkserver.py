@@ -67,8 +67,12 @@ def reap() -> None:
 
 
 def serve() -> None:
+  from temoe.run import pygc  # pylint: disable=import-outside-toplevel
+
+  pygc.configure()  # the collector's settings `temoe train` runs with, for the imports too
   for name in PRELOAD:
     importlib.import_module(name)
+  pygc.freeze_imports()  # no child walks them again
   from jax._src import xla_bridge  # pylint: disable=import-outside-toplevel
 
   assert not xla_bridge._backends, "a JAX backend exists before the fork"  # pylint: disable=protected-access

@@ -11,6 +11,7 @@ import sys
 import warnings
 
 from temoe import exits, oneline
+from temoe.run import pygc
 
 SUBCOMMANDS = {
     "data": ("temoe.run.data", "write the learnable token stream the CPU configs train on"),
@@ -131,6 +132,7 @@ def run_training(maxtext_args: list[str]) -> int:
 
     failures.install_quiet_config_errors()
     failures.install_train_loop()
+    pygc.freeze_imports()  # MaxText, JAX and temoe are imported: what they made lives as long as the process
     config = preflight.check(maxtext_args, lock_run=True)  # values, data, disk, lock, latest checkpoint: before compiling
     batches.install(config)  # every batch's token ids, on the host
     from temoe.run import tokens  # pylint: disable=import-outside-toplevel
@@ -204,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
   """`temoe [--debug] <command> ...`; --debug (anywhere) sets TEMOE_DEBUG=1: tracebacks are printed."""
   if argv is None:  # the `temoe` program (console script or python -m temoe.cli)
     oneline.as_program()
+    pygc.configure()
   argv = list(sys.argv[1:] if argv is None else argv)
   if "--debug" in argv:
     argv.remove("--debug")
