@@ -1,5 +1,6 @@
 """temoe's processes run with the collector settings of temoe/run/pygc.py: the `temoe` program sets them first
-thing; freeze_imports takes what is alive out of the collector's view."""
+thing, `temoe train` freezes its imports before its checks; freeze_imports takes what is alive out of the
+collector's view."""
 
 from __future__ import annotations
 
@@ -7,13 +8,18 @@ import json
 import subprocess
 import sys
 
+from conftest import SMOKE
 from temoe.run import pygc
 
-THRESHOLDS = """
-import gc, sys
+TRAIN = """
+import gc, json, sys
 from temoe import cli
-cli.train = lambda args: print(list(gc.get_threshold())) or 0
-sys.argv = ["temoe", "train", "c.yml"]
+from temoe.run import preflight
+def check(*args, **kwargs):  # the first step after the imports: what the collector is set to there, then stop
+  print(json.dumps([list(gc.get_threshold()), gc.get_freeze_count()]))
+  sys.exit(0)
+preflight.check = check
+sys.argv = ["temoe", "train", sys.argv[1], "dataset_type=synthetic"]
 sys.exit(cli.main())
 """
 
@@ -27,12 +33,15 @@ print(json.dumps([tracked, gc.get_freeze_count(), len(gc.get_objects())]))
 """
 
 
-def probe(code: str):
-  return json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+def probe(code: str, *args: str):
+  done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_temoe_program_collects_with_pygcs_thresholds():
-  assert probe(THRESHOLDS) == list(pygc.THRESHOLDS) != [700, 10, 10]
+def test_temoe_train_collects_with_pygcs_thresholds_and_has_frozen_its_imports_before_its_checks():
+  thresholds, frozen = probe(TRAIN, SMOKE)
+  assert thresholds == list(pygc.THRESHOLDS) != [700, 10, 10]
+  assert frozen > 100_000, frozen  # JAX's, MaxText's and temoe's modules: a fresh process's freeze count is 0
 
 
 def test_freeze_imports_leaves_the_collector_nothing_of_the_imports_to_walk():

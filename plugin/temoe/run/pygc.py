@@ -23,7 +23,7 @@ def configure() -> None:
 
 def freeze_imports() -> None:
   """Moves every object alive now (the imported modules, their classes and functions: they live as long as the
-  process) out of the collector's generations, so no later collection walks them again; a process forked after
-  this shares their memory pages untouched."""
+  process) out of the collector's generations, so no later collection walks them again (nor, in a process forked
+  after this, writes to their pages)."""
   gc.collect()
   gc.freeze()
