@@ -5,6 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUN ?= deepseek3-smoke-$(shell date +%Y%m%d-%H%M%S)
 CONFIG ?= configs/deepseek3-smoke.yml
+UV_VERSION ?= 0.13.9
 ARGS ?=
 
 # MaxText needs Python 3.12: the first candidate that runs as 3.12 (PATH, then pyenv's versions;
@@ -18,11 +19,11 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: requirements.lock pyproject.toml
 	@test -n "$(PYTHON312)" || { echo "temoe: Python 3.12 not found; set PYTHON312=/path/to/python3.12" >&2; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
-	# maxtext declares no dependencies of its own: the lock pins everything it imports. pip unpacks; compileall
-	# writes the bytecode on every core (pip's own pass runs on one: 115 -> 84 CPU-s for the whole install here).
-	$(PY) -m pip install -q --no-compile --no-deps -r requirements.lock maxtext==0.2.5
-	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null
-	$(PY) -m pip install -q --no-deps -e .
+	# maxtext declares no dependencies of its own: the lock pins everything it imports. uv (from PyPI, pinned)
+	# fetches the 160 wheels side by side and writes their bytecode on every core: 20 s where pip took 62 here.
+	$(PY) -m pip install -q uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps --compile-bytecode -r requirements.lock maxtext==0.2.5
+	$(VENV)/bin/uv pip install -q --python $(PY) --no-deps -e .
 	@touch $@
 
 train: venv
