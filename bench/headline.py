@@ -117,7 +117,7 @@ def presets() -> str:
       return found.group(1)
 
     batch = int(find(r"^per_device_batch_size:\s*(\d+)"))
-    layout = (f"{find(r'^# Mesh: (EP \d+ x FSDP \d+)')}, `{find(r'^te_moe_exchange:\s*\"(\w+)\"')}`, "
+    layout = (f"{find(r'^# Mesh: (EP \d+ x FSDP \d+(?: x DP \d+)?)')}, `{find(r'^te_moe_exchange:\s*\"(\w+)\"')}`, "
               f"{find(r'^te_moe_chunks:\s*(\d+)')} chunks, {batch} sequence{'s' if batch > 1 else ''}/GPU")
     lines.append(f"| `{path.name}` | {layout} | {find(r'^# step ([\d,]+ ms)')} | {find(r'^# step [\d,]+ ms, ([\d,]+) TFLOP')} "
                  f"| {find(r'exposed expert exchange ([\d.]+%)')} | {find(r'^# peak HBM ([\d.]+ of \d+ GiB)')} |")

@@ -110,8 +110,8 @@ PUBLISHED = [
      f"fp8mx ({MB} v0.6.0)", MB_2608),
     ("Megatron-Bridge 25.09, 1,024 H100, FP8 (TP2 PP8 VP4 EP64, MBS 1)", "h100", "deepseek3-671b-h100x1024.yml", 1024, 128,
      [*NO_PIPELINED_BIAS, "ici_tensor_parallelism=2", "ici_expert_parallelism=4", "dcn_expert_parallelism=16",
-      "dcn_fsdp_parallelism=1", "dcn_pipeline_parallelism=8", "per_device_batch_size=8", "num_pipeline_microbatches=128",
-      "pipeline_parallel_layers=56", "num_layers_per_pipeline_stage=1"],
+      "dcn_fsdp_parallelism=1", "dcn_data_parallelism=1", "dcn_pipeline_parallelism=8", "per_device_batch_size=8",
+      "num_pipeline_microbatches=128", "pipeline_parallel_layers=56", "num_layers_per_pipeline_stage=1"],
      338.0, "TFLOP/s/GPU", f"{BRIDGE} (archive), 25.09: H100, 1,024 GPUs, dropless, GBS 8192, MBS 1, seq 4096, TP2 PP8 "
      "CP1 VP4 EP64 GA128: 1,297 tokens/s/GPU, 338 TFLOP/s/GPU (330 with 128x128/1x128 blockwise FP8); recipe: "
      f"scripts/performance/run_script.py ({MB} fa0315ae2)", MB_2509_H100),

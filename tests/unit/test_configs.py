@@ -43,8 +43,8 @@ def mesh_of(result: dict) -> dict:
 PRESETS = [  # config, nodes, GPUs per node, GPU, slices the runtime reports, hardware, mesh
     ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 64, "gpu_multiprocess", {"fsdp": 4, "expert": 64}),
     ("deepseek3-671b-gb200x256.yml", 64, 4, "gb200", 4, "gpu", {"fsdp": 4, "expert": 64}),  # NVL72 racks
-    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu_multiprocess", {"fsdp": 64, "expert": 16}),
-    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu", {"fsdp": 64, "expert": 16}),
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu_multiprocess", {"data": 2, "fsdp": 8, "expert": 64}),
+    ("deepseek3-671b-h100x1024.yml", 128, 8, "h100", 128, "gpu", {"data": 2, "fsdp": 8, "expert": 64}),
     ("deepseek3-671b-h200x128.yml", 16, 8, "h200", 16, "gpu_multiprocess", {"fsdp": 2, "expert": 64}),
     ("deepseek3-671b-h200x128.yml", 16, 8, "h200", 16, "gpu", {"fsdp": 2, "expert": 64}),
 ]

@@ -27,8 +27,10 @@ H100_1024 = str(ROOT / "configs" / "deepseek3-671b-h100x1024.yml")
 @pytest.fixture(scope="module")
 def hier_plan():
   """The H100 x 1,024 preset as EP 64 over 8 nodes of 8 x FSDP 16, one sequence a GPU, with the hierarchical exchange
-  unchunked, and its prediction without the overlap inside the layer (test_step_model prices that)."""
-  p = plan.make_plan(H100_1024, ["te_moe_exchange=hier", "num_slices=128", "dcn_fsdp_parallelism=16",
+  unchunked, and its prediction without the overlap inside the layer (test_step_model prices that). A pricing case:
+  FSDP x EP 1,024 does not split MLA's 512-wide dimension, so the sweep refuses it (test_shardings.py); the preset's
+  own mesh is bound by the shared NIC at one sequence a GPU, where the overlap changes no step time."""
+  p = plan.make_plan(H100_1024, ["te_moe_exchange=hier", "num_slices=128", "dcn_data_parallelism=1", "dcn_fsdp_parallelism=16",
                                  "per_device_batch_size=1", "te_moe_chunks=1"], 1024, "h100")
   ici, dcn = plan.mesh_split(p.config, 1024)
   job = step_model.job_of(p.config, ici, dcn, 128, p.backend, p.quantization, p.estimate)

@@ -8,6 +8,8 @@
 - Values that pass MaxText's config validation and fail later inside JAX (batch, sequence length,
   experts per token, routing groups, a mesh that does not span the devices, steps), a run_name
   that leaves base_output_directory, a metrics_file that cannot be written, unreadable data.
+- A mesh whose axes do not split some parameter evenly (`temoe.tools.shardings`), which JAX refuses in
+  MaxText's first compile.
 - Less free disk than one checkpoint of this train state (its size as `temoe plan` computes it,
   from MaxText's abstract state), and a second run holding the run directory (`temoe.run.lock`).
 - A latest checkpoint whose files differ from the checksums recorded at save (`temoe.run.checksums`),
@@ -91,6 +93,7 @@ def check_values(config) -> None:
   """Values MaxText's validation lets through and JAX fails on later, after compiling."""
   check_numbers(config)
   check_mesh(config)
+  check_shardings(config)
 
 
 def check_numbers(config) -> None:
@@ -177,6 +180,24 @@ def check_mesh(config) -> None:
         f"{config.per_device_batch_size} x {devices} devices) does not split evenly over the {devices} devices; "
         "pick a per_device_batch_size that makes it a multiple."
     )
+
+
+def check_shardings(config) -> None:
+  """Every parameter and optimizer leaf splits evenly over the mesh axes MaxText shards it on: JAX refuses an
+  uneven split of a jit's outputs (IndivisibleError) in MaxText's first compile, where on a GPU Transformer Engine's
+  context manager hides it as "generator didn't stop after throw()"; read off MaxText's abstract state."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from temoe.tools import hbm, planner, shardings  # pylint: disable=import-outside-toplevel
+
+  if jax.device_count() == 1:
+    return
+  mesh = planner.abstract_mesh(config, jax.device_count())
+  found = shardings.indivisible(hbm.abstract_state(config, mesh))
+  if found:
+    axes = " ".join(f"{a}={n}" for a, n in dict(mesh.shape).items() if n > 1)
+    raise PreflightError(f"{shardings.refusal(found)}; the mesh ({axes}) cannot hold this model: choose parallelisms "
+                         "whose products divide these dimensions (`temoe plan --sweep` ranks only such layouts).")
 
 
 def check_run_name(run_name: str) -> None:

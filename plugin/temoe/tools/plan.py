@@ -119,8 +119,14 @@ def main(argv: list[str] | None = None) -> int:
   fits = peak <= p.hbm_gib
   verdict = "fits" if fits else "does not fit"
   print(f"{verdict}: {peak:.2f} GiB estimated of {p.hbm_gib:.2f} GiB ({peak / p.hbm_gib:.0%})")
+  from temoe.tools import shardings  # pylint: disable=import-outside-toplevel
+
+  unshardable = shardings.refusal(shardings.indivisible(p.estimate.state))
+  if unshardable:
+    print(f"does not start: {unshardable}; pick parallelisms whose products divide it (temoe plan --sweep skips "
+          "such layouts)")
   print("\n".join(step_lines(p)))
-  return 0 if fits else 1
+  return 0 if fits and not unshardable else 1
 
 
 def step_lines(p: Plan) -> list[str]:

@@ -10,7 +10,8 @@ Context and sequence parallelism and the batch stay as the config has them.
 MaxText's config and its abstract train state are built once per family of layouts (one per pipeline shape: the
 parameter tree changes with it); each layout reads that config with its own mesh settings (`Varied`) and that state
 resharded over its mesh (`hbm.retarget`: MaxText's logical axis rules do not depend on the axes' sizes). A family
-MaxText or temoe refuses (routed_bias under a pipeline, circular repeats) is listed with the reason, never ranked.
+MaxText or temoe refuses (routed_bias under a pipeline, circular repeats, a train state the mesh does not shard evenly:
+temoe.tools.shardings) is listed with the reason, never ranked.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
   """Plans every layout; rows in the order planned."""
   import jax  # pylint: disable=import-outside-toplevel
 
-  from temoe.tools import calibration, hbm, planner, step_model  # pylint: disable=import-outside-toplevel
+  from temoe.tools import calibration, hbm, planner, shardings, step_model  # pylint: disable=import-outside-toplevel
   from temoe.tools import hbm_activations as act  # pylint: disable=import-outside-toplevel
 
   import temoe  # pylint: disable=import-outside-toplevel
@@ -263,11 +264,13 @@ def run(path: str, overrides: list[str], devices: int, slices: int, gpu: str, hb
       rows.append(Row(dataclasses.replace(members[0], repeats=2), 0.0, False, None, REPEATS_REFUSED))
     calib = calib or calibration.calibration_for(base.gpu)
     flags = flags or step_model.xla_flags_for(calib.gpu, environ)[1]
+    dims = shardings.dimensions(base.estimate.state)
     for layout in members:
       config = varied(base.config, layout)
       ici, dcn = planner.mesh_split(config, devices)
       mesh = jax.sharding.AbstractMesh(tuple(a * b for a, b in zip(ici, dcn)), tuple(config.mesh_axes))
-      why = layout_refusal(config, layout, act.shapes(config, mesh).tokens)
+      why = (layout_refusal(config, layout, act.shapes(config, mesh).tokens)
+             or shardings.sweep_refusal(shardings.indivisible_on(dims, dict(mesh.shape))))
       if why:
         rows.append(Row(layout, 0.0, False, None, why))
         continue
