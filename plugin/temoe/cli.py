@@ -58,11 +58,24 @@ def config_or_message(argv: list[str]):
     return None, message
 
 
+GENERATOR_MASK = "generator didn't stop after throw()"
+"""What Python raises when a context manager's generator catches the exception of its block and yields again, as
+Transformer Engine's does: MaxText runs the whole training loop inside it, so every GPU failure would read so."""
+
+
+def unmasked(exc: BaseException) -> BaseException:
+  """The exception a context manager's generator hid (GENERATOR_MASK, the block's own one as its context)."""
+  while isinstance(exc, RuntimeError) and str(exc) == GENERATOR_MASK and exc.__context__ is not None:
+    exc = exc.__context__
+  return exc
+
+
 def training_failure(exc: BaseException) -> tuple[str, int, bool]:
   """(the one line for an exception raised while MaxText trained, the exit code, whether it is one temoe
   does not know, so its traceback is what a bug report needs)."""
   from temoe.maxtext import checkpointing, failures  # pylint: disable=import-outside-toplevel
 
+  exc = unmasked(exc)
   for link in oneline.chain(exc):
     if isinstance(link, failures.TrainingStopped):
       return str(link), link.exit_code, False

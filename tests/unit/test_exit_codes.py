@@ -3,6 +3,8 @@ tests have them: `temoe.exits.table()` and `faults.render_table()` (each fault's
 
 from __future__ import annotations
 
+import contextlib
+
 import pathlib
 
 import pytest
@@ -82,6 +84,33 @@ def test_a_lost_peer_is_requeued_and_an_unknown_error_is_not():
   assert code == exits.FAILED and unknown and line.endswith("ZeroDivisionError: division by zero")
   line, code, _ = cli.training_failure(OSError(28, "No space left on device", "/ckpt"))
   assert code == exits.NEEDS_PERSON and "a write failed (No space left on device: /ckpt)" in line
+
+
+def test_a_context_manager_that_swallows_the_failure_does_not_hide_it():
+  """Transformer Engine's context manager (MaxText trains inside it on GPUs) catches its block's exception and yields
+  again, so Python raises "generator didn't stop after throw()"; the line names the block's own exception (an H200
+  run's IndivisibleError read as that RuntimeError before)."""
+
+  from temoe import cli  # pylint: disable=import-outside-toplevel
+
+  @contextlib.contextmanager
+  def swallowing():
+    try:
+      yield
+    except Exception:  # pylint: disable=broad-exception-caught
+      yield
+
+  try:
+    with swallowing():
+      raise ValueError("IndivisibleError stand-in: dimension 0 (512) does not split 1024 ways")
+  except RuntimeError as exc:
+    masked = exc
+  assert str(masked) == cli.GENERATOR_MASK
+  line, code, unknown = cli.training_failure(masked)
+  assert line.endswith("ValueError: IndivisibleError stand-in: dimension 0 (512) does not split 1024 ways")
+  assert code == exits.FAILED and unknown
+  lone = RuntimeError(cli.GENERATOR_MASK)  # nothing under it: said as it is
+  assert cli.training_failure(lone)[0].endswith(f"RuntimeError: {cli.GENERATOR_MASK}")
 
 
 TASK_LOGS_AT_EXIT = """
