@@ -5,9 +5,11 @@ Each topology is tried in its own process (the mock is set before the GPU client
 kind temoe's step uses (all-to-all, ragged all-to-all, all-gather, reduce-scatter, psum, ppermute), one
 shard_map program over all the job's devices is compiled, its optimized HLO read for the collective's op
 (async start/done or not), run, timed against the same program without the collective, and its output's
-local shard compared with what a real collective would hold.
+local shard compared with what a real collective would hold. XLA's autotuner is off (MOCK_XLA_FLAGS): with it, the
+first program of 1x8x1 did not compile in 40 s on an H200. A topology's devices per host must be the host's real
+GPUs (one here).
 
-    python bench/mock_collectives.py [--out DIR] [--topologies 1x8x1,1x1x8,2x4x1] [--mib 64] [--iters 20]
+    python bench/mock_collectives.py [--out DIR] [--topologies 1x8x1,2x4x1,16x8x1] [--mib 64] [--iters 20]
     python bench/mock_collectives.py --child TOPOLOGY ...   (one topology; what the parent runs)
 """
 
@@ -22,6 +24,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+MOCK_XLA_FLAGS = "--xla_gpu_autotune_level=0"
 KINDS = ("all_to_all", "ragged_all_to_all", "all_gather", "reduce_scatter", "psum", "ppermute")
 HLO_OPS = {"all_to_all": "all-to-all", "ragged_all_to_all": "ragged-all-to-all", "all_gather": "all-gather",
            "reduce_scatter": "reduce-scatter", "psum": "all-reduce", "ppermute": "collective-permute"}
@@ -61,7 +64,7 @@ def child(topology: str, mib: float, iters: int) -> dict:
          "process_index": jax.process_index(), "process_count": jax.process_count(),
          "device_kind": jax.devices()[0].device_kind, "kinds": {}}
   n = jax.device_count()
-  mesh = jax.make_mesh((n,), ("x",), devices=jax.devices())
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))  # jax.make_mesh refuses multi-slice topologies
   rows = max(n, int(mib * 2**20 / 4 / 1024) // n * n)  # float32 rows of 1024: `mib` MiB a device
   spec = P("x")
   sharding = NamedSharding(mesh, spec)
@@ -117,7 +120,7 @@ def child(topology: str, mib: float, iters: int) -> dict:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(HERE / "results"))
-  parser.add_argument("--topologies", default="1x8x1,1x1x8,2x4x1")
+  parser.add_argument("--topologies", default="1x8x1,2x4x1,16x8x1")
   parser.add_argument("--mib", type=float, default=64.0, help="buffer per device")
   parser.add_argument("--iters", type=int, default=20)
   parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -126,10 +129,11 @@ def main() -> int:
     print("MOCK_RESULT " + json.dumps(child(args.child, args.mib, args.iters)), flush=True)
     return 0
   results = []
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {MOCK_XLA_FLAGS}".strip()}
   for topology in args.topologies.split(","):
     try:
       run = subprocess.run([sys.executable, __file__, "--child", topology, "--mib", str(args.mib), "--iters",
-                            str(args.iters)], capture_output=True, text=True, timeout=120, check=False)
+                            str(args.iters)], capture_output=True, text=True, timeout=120, check=False, env=env)
     except subprocess.TimeoutExpired as exc:
       results.append({"topology": topology, "error": "timed out after 120 s", "stdout": str(exc.stdout)[-1000:]})
       continue
@@ -142,7 +146,7 @@ def main() -> int:
     print(json.dumps(results[-1]), flush=True)
   pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
   result = {"command": " ".join(["python", "bench/mock_collectives.py", *sys.argv[1:]]), "results": results,
-            "env": {k: os.environ.get(k, "") for k in ("XLA_FLAGS",)}}
+            "env": {k: env.get(k, "") for k in ("XLA_FLAGS",)}}
   (pathlib.Path(args.out) / "mock_collectives.json").write_text(json.dumps(result, indent=1) + "\n")
   return 0
 

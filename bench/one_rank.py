@@ -38,6 +38,21 @@ MAX_CPU_DEVICES = 16
 """Host devices a --cpu run may fake: XLA:CPU runs every one of them, on this host's cores."""
 COMMON = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false",
           "skip_jax_distributed_system=true", "log_config=false", "override_model_config=true"]
+MOCK_SETTINGS = ["skip_step_on_spikes=true", "abort_on_nan_loss=false"]
+"""MaxText settings of a mocked run: its reduce-scatters return buffers nothing wrote (bench/mock_collectives.py), so the
+gradients are garbage and, applied, made the loss NaN by the second step on an H200. MaxText's spike check skips an
+update whose loss or gradient norm is NaN (computed, then discarded): the parameters keep their initial values and the
+routing stays that of a fresh model, and a NaN loss stops nothing."""
+MOCK_XLA_FLAGS = "--xla_gpu_autotune_level=0"
+"""XLA's autotuner hung under the mock on an H200 (a shard_map of one multiply did not compile in 40 s on 1x8x1;
+with this flag all of bench/mock_collectives.py's programs ran): kernels take XLA's default configurations."""
+MOCK_NOTES = ["XLA autotuning off (" + MOCK_XLA_FLAGS + "): default kernel configurations",
+              "updates skipped (" + " ".join(MOCK_SETTINGS) + "): computed and discarded, the parameters stay initial",
+              "the expert exchange's ragged all-to-alls run as padded all-to-alls (mocked NCCL has no ragged "
+              "all-to-all: 'No clique found'): receive buffers of one slot per sender and row",
+              "the expert-parallel overflow flag reads 0 (routing of garbage activations would overflow the receive "
+              "buffers and stop MaxText's run; rows past capacity are still dropped, as a real overflow drops them)"]
+"""What a mocked run changes from the real job's rank, in its result."""
 STAGES = ("attention", "router", "dispatch", "experts", "combine", "collectives", "dense", "optimizer", "other",
           "idle")
 
@@ -139,6 +154,39 @@ def own_counts_for_peers() -> None:
   jax.lax.all_gather = gather
 
 
+def padded_for_ragged() -> None:
+  """Mocked NCCL runs no ragged all-to-all (on an H200: "No clique found for clique key", bench/mock_collectives.py):
+  this process's expert exchanges move their rows as XLA:CPU's do, through padded all-to-alls of the same plan
+  (`ragged` as `padded`; dedup's and hier's hops by `padded`)."""
+  from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+  from temoe.moe.exchange import dedup, padded  # pylint: disable=import-outside-toplevel
+
+  real = exchange.resolve
+
+  def resolve(*args, **kwargs):
+    name = real(*args, **kwargs)
+    return "padded" if name == "ragged" else name
+
+  exchange.resolve = resolve
+  dedup.transport = lambda platform: padded
+
+
+def no_overflow_stop() -> None:
+  """Mocked collectives hand the layers buffers nothing wrote (NaN losses on an H200 from the first step at 3 layers),
+  and routing NaN scores overflows the expert-parallel receive buffers, which stops MaxText's run at its overflow
+  check: this process's MoE layers report no overflow to that check."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from temoe.maxtext import adapter  # pylint: disable=import-outside-toplevel
+
+  real = adapter.sow_step_outputs
+
+  def sow_step_outputs(layer, stats, routing):
+    real(layer, {**stats, "overflow": jnp.zeros_like(stats["overflow"])}, routing)
+
+  adapter.sow_step_outputs = sow_step_outputs
+
+
 def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   """Trains one depth in this process (fresh: the allocator's peak and the mock are per process); prints a row."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -147,12 +195,14 @@ def worker(args, overrides: list[str], depth: int, rundir: str) -> None:
   if mocked:
     jax.config.update("jax_mock_gpu_topology", topology(args.devices, args.slices))
     own_counts_for_peers()
+    padded_for_ragged()
+    no_overflow_stop()
   from temoe.tools import hlo_schedule, planner, profiling  # pylint: disable=import-outside-toplevel
   from temoe.tools import one_rank as one_rank_reader  # pylint: disable=import-outside-toplevel
 
   hlo_dir = os.path.join(rundir, "hlo")
-  settings = [*overrides, *COMMON, f"base_num_decoder_layers={depth}", f"num_slices={args.slices}",
-              "hardware=cpu" if args.cpu else "hardware=gpu"]
+  settings = [*overrides, *COMMON, *([] if args.cpu else MOCK_SETTINGS), f"base_num_decoder_layers={depth}",
+              f"num_slices={args.slices}", "hardware=cpu" if args.cpu else "hardware=gpu"]
   result = profiling.profile_run(args.config, settings, rundir, args.skip, args.steps, args.gpu, hlo_dir=hlo_dir)
   modules = profiling.dumped_modules(hlo_dir)
   trace = profiling.latest_trace(rundir)
@@ -200,6 +250,7 @@ def run_depth(args, overrides: list[str], depth: int, workdir: str) -> dict:
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}".strip()
   else:
     env.update(profile_env(env))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {MOCK_XLA_FLAGS}".strip()
   cmd = [sys.executable, __file__, args.config, "--devices", str(args.devices), "--slices", str(args.slices),
          "--steps", str(args.steps), "--skip", str(args.skip), "--worker", f"{depth}:{rundir}", *overrides]
   if args.cpu:
@@ -247,13 +298,15 @@ def run(args, overrides: list[str]) -> dict:
   workdir = tempfile.mkdtemp(prefix="one_rank-")
   measured = [run_depth(args, overrides, d, workdir) for d in (a, b)]
   config = os.path.relpath(os.path.abspath(args.config), ROOT)
-  flags = os.environ.get("XLA_FLAGS", "") if args.cpu else profile_env(dict(os.environ)).get("XLA_FLAGS", "")
+  flags = (os.environ.get("XLA_FLAGS", "") if args.cpu else
+           f"{profile_env(dict(os.environ)).get('XLA_FLAGS', '')} {MOCK_XLA_FLAGS}".strip())
   entry = {"config": config, "devices": args.devices, "slices": args.slices, "overrides": overrides,
            "mock_topology": None if args.cpu else topology(args.devices, args.slices),
            "routing_counts": "exchanged (host devices)" if args.cpu else
            "every peer's taken as this rank's own (integer all-gathers return the local operand per peer: "
            "own_counts_for_peers); mocked collectives move no data",
            "platform": "cpu (host devices)" if args.cpu else "gpu (mocked NCCL)",
+           "mock_changes": [] if args.cpu else MOCK_NOTES,
            "command": " ".join(["python", "bench/one_rank.py", *sys.argv[1:]]), "xla_flags": flags,
            "measured": measured,
            "depth": {"measured_layers": [a, b], "full_layers": full, "dense_layers": dense,

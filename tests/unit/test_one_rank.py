@@ -257,3 +257,45 @@ def test_under_the_mock_each_peer_routes_as_this_rank():
                         timeout=HANG_S, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert done.stdout.split("\n")[0] == "[[2, 3], [2, 3], [2, 3], [2, 3]] [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]"
+
+
+def test_a_mocked_rank_moves_ragged_rows_through_padded_all_to_alls(monkeypatch):
+  """Mocked NCCL has no ragged all-to-all (an H200: "No clique found"): the worker's exchanges resolve `ragged` to
+  `padded` and dedup's and hier's hops move rows as XLA:CPU's do; the other strategies are kept."""
+  from temoe.moe import exchange  # pylint: disable=import-outside-toplevel
+  from temoe.moe.exchange import dedup, padded, ragged  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(exchange, "resolve", exchange.resolve)  # restored after the test
+  monkeypatch.setattr(dedup, "transport", dedup.transport)
+  assert exchange.resolve("auto", 8, "gpu") == "ragged" and dedup.transport("gpu") is ragged
+  one_rank.padded_for_ragged()
+  assert [exchange.resolve(n, 16, "gpu", top_k=8, local_experts=1, node_size=8) for n in ("auto", "ragged", "dedup",
+                                                                                           "hier")] == \
+      ["padded", "padded", "dedup", "hier"]
+  assert dedup.transport("gpu") is padded
+
+
+def test_the_mocked_runs_settings_are_maxtexts(tmp_path):
+  from temoe.maxtext import introspect  # pylint: disable=import-outside-toplevel
+
+  config = introspect.initialize_config(["one_rank", SMOKE, f"base_output_directory={tmp_path}",
+                                         *one_rank.MOCK_SETTINGS], log_config=False)
+  assert config.skip_step_on_spikes is True and config.abort_on_nan_loss is False
+
+
+def test_a_mocked_rank_reports_no_overflow_to_maxtexts_check(monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from temoe.maxtext import adapter  # pylint: disable=import-outside-toplevel
+  from temoe.moe.routing import Routing  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(adapter, "sow_step_outputs", adapter.sow_step_outputs)  # restored after the test
+  sown = {}
+  layer = type("Layer", (), {"sow": lambda self, kind, name, value: sown.__setitem__(name, value)})()
+  stats = {"received": jnp.array(70), "capacity": jnp.array(64), "overflow": jnp.array(True)}
+  routing = Routing(experts=None, weights=None, lb_loss=None, bias_update=None, scores=None)
+  adapter.sow_step_outputs(layer, stats, routing)
+  assert bool(sown["te_moe_capacity_overflow"])
+  one_rank.no_overflow_stop()
+  adapter.sow_step_outputs(layer, stats, routing)
+  assert not bool(sown["te_moe_capacity_overflow"]) and int(sown["te_moe_total_recv_tokens"]) == 70
