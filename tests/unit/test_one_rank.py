@@ -280,7 +280,7 @@ def test_the_mocked_runs_settings_are_maxtexts(tmp_path):
 
   config = introspect.initialize_config(["one_rank", SMOKE, f"base_output_directory={tmp_path}",
                                          *one_rank.MOCK_SETTINGS], log_config=False)
-  assert config.skip_step_on_spikes is True and config.abort_on_nan_loss is False
+  assert config.abort_on_nan_loss is False
 
 
 def test_a_mocked_rank_reports_no_overflow_to_maxtexts_check(monkeypatch):
