@@ -8,8 +8,8 @@ calibration constant its prediction uses was fitted to that row's config (the co
 is not a check of that constant. published rows: DeepSeek-V3 671B runs as their publishers describe them
 (GPUs, layout, recipe), expressed as MaxText settings on the shipped 671B presets, against the published
 TFLOP/s/GPU (and tokens/s/GPU where given). target rows: temoe's best layout (`temoe plan --sweep` of the preset at
-the publisher's global batch, in microbatches of 1, 2 or 4 sequences, on the same GPUs) against the same model's prediction for the publisher's own layout,
-and issue 53's targets on 1,024 H100. one_rank rows: the predicted compute of each run of
+the publisher's global batch, in microbatches of 1, 2 or 4 sequences, on the same GPUs) against the same model's
+prediction for the publisher's own layout, and issue 53's targets on 1,024 H100. one_rank rows: the predicted compute of each run of
 bench/results/one_rank.json (one rank of the job at its real shapes, network mocked) against the measured one.
 Nothing here is tuned per row.
 
@@ -285,7 +285,8 @@ def batch_choices(per_device: int) -> list[list[str]]:
 
 def target_rows(published: list[dict]) -> list[dict]:
   """temoe's best layout (`temoe plan --sweep` of the preset at the publisher's global batch in microbatches of 1, 2 or
-  4 sequences, on the same GPUs) against the model's prediction for the publisher's own layout, per published run; and issue 53's H100 targets."""
+  4 sequences, on the same GPUs) against the model's prediction for the publisher's own layout, per published run;
+  and issue 53's H100 targets."""
   from temoe.tools import step_model, sweep  # pylint: disable=import-outside-toplevel
 
   predicted = {r["name"]: r["predicted"] for r in published if r["unit"] == "TFLOP/s/GPU"}

@@ -49,6 +49,28 @@ def test_the_h100_preset_as_it_shipped_fails_where_the_h200_compile_failed():
       "model/decoder/dense_layers/self_attention/wkv_b/kernel", (512, 3, 128, 256), 0, ("fsdp", "expert"), 1024)
 
 
+def jax_refuses(state) -> set[str]:
+  """The leaves whose own NamedSharding JAX refuses for their shape (`shard_shape` raises its IndivisibleError)."""
+  out = set()
+  for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+    try:
+      x.sharding.shard_shape(x.shape)
+    except ValueError:  # jax's IndivisibleError
+      out.add(jax.tree_util.keystr(path))
+  return out
+
+
+@pytest.mark.parametrize("overrides", [["dcn_data_parallelism=1", "dcn_fsdp_parallelism=64"], []], ids=["old", "now"])
+def test_the_leaves_found_are_the_ones_jax_refuses(overrides):
+  """The check's arithmetic against JAX's own rule, leaf by leaf over the whole 671B train state: the H100 preset's
+  old mesh (MLA's projections and their optimizer moments refused) and its mesh now (nothing)."""
+  p = planner.make_plan(str(CONFIGS / "deepseek3-671b-h100x1024.yml"), ["num_slices=128", *overrides], 1024, "h100")
+  leaves = jax.tree_util.tree_flatten_with_path(p.estimate.state)[0]
+  found = {jax.tree_util.keystr(path) for path, x in leaves if shardings.indivisible({"x": x})}
+  assert found == jax_refuses(p.estimate.state)
+  assert len(found) == (12 if overrides else 0)
+
+
 @pytest.mark.parametrize("config,devices,slices,gpu", [("deepseek3-671b-h100x1024.yml", 1024, 128, "h100"),
                                                        ("deepseek3-671b-h200x128.yml", 128, 16, "h200"),
                                                        ("deepseek3-671b-gb200x256.yml", 256, 64, "gb200"),

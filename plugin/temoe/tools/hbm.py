@@ -60,11 +60,11 @@ def tiles(leaf, keep=None) -> list[int]:
   sharding = getattr(leaf, "sharding", None)
   if sharding is None or not hasattr(sharding, "spec"):
     return [1] * len(leaf.shape)
+  from temoe.tools import shardings  # pylint: disable=import-outside-toplevel
+
   mesh, out = dict(sharding.mesh.shape), []
   for i, dim in enumerate(leaf.shape):
-    axes = sharding.spec[i] if i < len(sharding.spec) else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    out.append(math.prod(mesh[a] for a in axes if keep is None or keep(a, dim)))
+    out.append(math.prod(mesh[a] for a in shardings.spec_axes(sharding.spec, i) if keep is None or keep(a, dim)))
   return out
 
 

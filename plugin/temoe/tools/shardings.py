@@ -22,7 +22,8 @@ class Indivisible:
             f"{self.ways} ways over {' x '.join(self.axes)}")
 
 
-def _axes(spec, i: int) -> tuple[str, ...]:
+def spec_axes(spec, i: int) -> tuple[str, ...]:
+  """The mesh axes a PartitionSpec names for dimension `i` (none past its end)."""
   entry = spec[i] if i < len(spec) else None
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -46,7 +47,7 @@ def dimensions(state) -> list[Dimension]:
     if sharding is None or not hasattr(sharding, "spec"):
       continue
     for i, size in enumerate(leaf.shape):
-      axes = _axes(sharding.spec, i)
+      axes = spec_axes(sharding.spec, i)
       if axes and (size, axes) not in seen:
         seen.add((size, axes))
         name = "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
