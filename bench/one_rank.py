@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -258,17 +259,33 @@ def run_depth(args, overrides: list[str], depth: int, workdir: str) -> dict:
     cmd.append("--cpu")
   if args.gpu:
     cmd += ["--gpu", args.gpu]
+  env["PYTHONFAULTHANDLER"] = "1"  # a worker stopped at the timeout prints every thread's stack
+  log = pathlib.Path(args.out) / f"one_rank.{pathlib.Path(args.config).stem}.{args.devices}.depth{depth}.log"
   start = time.monotonic()
+  proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   try:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, check=False)
+    output, _ = proc.communicate(timeout=args.timeout)
+    timed_out = False
   except subprocess.TimeoutExpired:
-    return {"depth": depth, "error": f"timed out after {args.timeout}s"}
-  rows = [json.loads(l.split(" ", 1)[1]) for l in proc.stdout.splitlines() if l.startswith("ONE_RANK ")]
+    proc.send_signal(signal.SIGABRT)  # faulthandler's stacks say where it was
+    try:
+      output, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      output, _ = proc.communicate()
+    timed_out = True
+  wall = round(time.monotonic() - start, 1)
+  lines = [l for l in output.splitlines() if "[NO-OP]" not in l]
+  log.parent.mkdir(parents=True, exist_ok=True)
+  log.write_text("\n".join(lines) + "\n")
+  rows = [json.loads(l.split(" ", 1)[1]) for l in lines if l.startswith("ONE_RANK ")]
+  if timed_out:
+    return {"depth": depth, "error": f"timed out after {args.timeout}s", "wall_s": wall, "log": log.name}
   if proc.returncode or not rows:
-    lines = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip() and "[NO-OP]" not in l]
+    lines = [l for l in lines if l.strip()]
     why = [l for l in lines if l.startswith("temoe")][-2:] or [l for l in lines if "rror" in l][-3:] or lines[-5:]
-    return {"depth": depth, "error": " | ".join(why)[-1500:], "wall_s": round(time.monotonic() - start, 1)}
-  return {**rows[-1], "wall_s": round(time.monotonic() - start, 1)}
+    return {"depth": depth, "error": " | ".join(why)[-1500:], "wall_s": wall, "log": log.name}
+  return {**rows[-1], "wall_s": wall}
 
 
 def extrapolate(a: dict, b: dict, full: int) -> dict:

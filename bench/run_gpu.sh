@@ -6,7 +6,7 @@
 # `proxy --paths temoe_fp8,temoe_fp8_unfused,stock_best` for the marginal layer), kept (what FP8 weight copies
 # kept from step to step would cost against today's weight passes: bench/weight_quant.py's `persistent`, for
 # the proxy's wi and wo).
-#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [one_rank] [variants] [proxy [--paths a,b]]
+#   bash bench/run_gpu.sh [tests] [gemm] [quant] [layer] [small] [calibrate] [tokens] [kept] [one_rank] [one_rank_sweep] [one_rank_h200] [one_rank_proxy] [variants] [proxy [--paths a,b]]
 #   (default: tests gemm quant layer proxy)
 # Writes bench/results/*.json|png (or $OUT when set) and the GPU test log.
 set -uo pipefail
@@ -33,9 +33,17 @@ for i in "${!stages[@]}"; do
         python3 bench/weight_quant.py --out "$out/weight_quant.kept.${w%%:*}" --shape "${w#*:}" --layers 4 --iters 5 \
           --shipped-only || rc=1
       done ;;
-    one_rank)  # the H100 preset first (compiling its 1,024-device step took 99-144 s a depth on the H200)
+    one_rank)  # the H100 preset (compiling its 1,024-device step took 99-144 s a depth on the H200): one 600-s call
       python3 bench/one_rank.py configs/deepseek3-671b-h100x1024.yml --devices 1024 --slices 128 --layers 4,5 \
-        --timeout 220 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee "$out/one_rank.log" || rc=1
+        --timeout 230 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee -a "$out/one_rank.log" || rc=1 ;;
+    one_rank_sweep)  # the H100 sweep's best layout that starts (EP16 FSDP32 DP2, 4 sequences a GPU)
+      python3 bench/one_rank.py configs/deepseek3-671b-h100x1024.yml --devices 1024 --slices 128 --layers 4,5 \
+        --timeout 230 --out "$out" dcn_fsdp_parallelism=32 per_device_batch_size=4 2>&1 | grep -v "^\[NO-OP\]" \
+        | tee -a "$out/one_rank.log" || rc=1 ;;
+    one_rank_h200)  # the H200 x 128 preset, on the GPU it is for
+      python3 bench/one_rank.py configs/deepseek3-671b-h200x128.yml --devices 128 --slices 16 --layers 4,5 \
+        --timeout 230 --out "$out" 2>&1 | grep -v "^\[NO-OP\]" | tee -a "$out/one_rank.log" || rc=1 ;;
+    one_rank_proxy)  # what mocked NCCL runs, and the 8-GPU proxy's rank
       python3 bench/mock_collectives.py --out "$out" --topologies 1x8x1,16x8x1 2>&1 | tee "$out/mock_collectives.log" || rc=1
       python3 bench/one_rank.py configs/deepseek3-proxy-8gpu.yml --devices 8 --timeout 120 --out "$out" 2>&1 \
         | grep -v "^\[NO-OP\]" | tee -a "$out/one_rank.log" || rc=1 ;;
