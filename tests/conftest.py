@@ -202,11 +202,14 @@ def pytest_configure(config):
 
 
 LONGEST_FIRST = ("image/test_image.py", "e2e/test_reliability.py", "e2e/test_bench_smoke.py", "e2e/test_preemption.py",
-                 "unit/test_plan.py", "unit/test_step_model.py", "slurm/test_slurm.py", "unit/test_parity_matrix.py",
-                 "e2e/test_failures.py", "e2e/test_overflow.py", "unit/test_parity.py", "e2e/test_train_e2e.py",
-                 "e2e/test_interchange.py", "unit/test_bench_mosaic_gemm.py", "e2e/test_resume.py", "unit/test_profile.py")
-"""The files that take longest (`make test`'s --durations; test_bench_smoke, alone, as long as test_reliability),
-longest first: the training runs, the parity matrix and its 4-device runs, the interpret-mode sweep. `make test`
+                 "unit/test_plan.py", "slurm/test_slurm.py", "e2e/test_train_e2e.py", "e2e/test_exchange_pipeline.py",
+                 "unit/test_parity_matrix.py", "unit/test_mosaic_tokens.py", "unit/test_profile.py",
+                 "unit/test_bench_mosaic_gemm.py", "unit/test_fp8_block.py", "unit/test_dedup_exchange.py",
+                 "unit/test_step_model.py", "e2e/test_resume.py", "e2e/test_failures.py", "unit/test_hier_exchange.py",
+                 "unit/test_bench_logic.py", "unit/test_parity.py", "unit/test_mosaic_schedule.py",
+                 "e2e/test_interchange.py", "e2e/test_overflow.py")
+"""The files that take longest (a CI-like run's JUnit times per file), longest first: the training runs, the
+plan's compiles, the parity matrix and its 4-device runs, the interpret-mode kernels and sweeps. `make test`
 runs files whole on each worker (--dist
 loadfile) in collection order (--no-loadscope-reorder): these go out first, then the other training runs (e2e),
 then the short unit files, so the last files to start are short and the workers finish together. The

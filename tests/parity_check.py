@@ -323,16 +323,14 @@ def four_device_reports(tmp_path_factory) -> dict:
   MaxText's block once per case for all of temoe's meshes (`native_side`)."""
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
 
-  from conftest import HANG_S, once_per_session, xla_flags  # pylint: disable=import-outside-toplevel
+  import scripts  # pylint: disable=import-outside-toplevel
+  from conftest import once_per_session, xla_flags  # pylint: disable=import-outside-toplevel
 
   def produce(_):
-    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, "parity_check.py"), "--runs", ",".join(FOUR_DEVICE_RUNS)],
-                          capture_output=True, text=True, env=env, cwd=here, timeout=HANG_S)
+    proc = scripts.run(os.path.join(here, "parity_check.py"), "--runs", ",".join(FOUR_DEVICE_RUNS),
+                       env={"XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"})
     reports = {}
     for line in proc.stdout.splitlines():
       if line.startswith("PARITY "):

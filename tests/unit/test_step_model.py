@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
 import sys
 
 import pytest
+import scripts
 
-from conftest import HANG_S, ROOT
+from conftest import ROOT
 from temoe import hardware
 from temoe.deploy import doctor, env, hazards
 from temoe.tools import calibration, model_size, plan, step_model
@@ -206,8 +206,7 @@ def test_plan_prints_the_step_table_for_a_gpu_config_and_says_why_not_for_a_cpu_
 
 
 def test_the_calibration_bench_runs_every_measurement_on_cpu(tmp_path):
-  run = subprocess.run([sys.executable, str(ROOT / "bench" / "calibrate.py"), "--smoke", "--iters", "1", "--out",
-                        str(tmp_path)], capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+  run = scripts.run(ROOT / "bench" / "calibrate.py", "--smoke", "--iters", "1", "--out", str(tmp_path))
   assert run.returncode == 0, run.stderr[-3000:]
   data = json.loads((tmp_path / "smoke.json").read_text())
   assert data["origin"] == "measured" and data["grouped_mlp"]["xla_bf16"]["smoke"]["layer_ms"] > 0
