@@ -153,7 +153,8 @@ def test_one_depth_on_host_devices(tmp_path):
   """The worker of one depth on 2 host devices (EP 2, tiny): MaxText's step traced, the optimized HLO dumped and
   read back, the stages adding up to the step and the exchange's all-to-alls found in the schedule."""
   args, overrides = one_rank.parse([SMOKE, "--devices", "2", "--cpu", "--steps", "1", "--skip", "1",
-                                    "ici_expert_parallelism=2", "per_device_batch_size=2", "max_target_length=16"])
+                                    "--out", str(tmp_path / "out"), "ici_expert_parallelism=2",
+                                    "per_device_batch_size=2", "max_target_length=16"])
   row = one_rank.run_depth(args, overrides, 2, str(tmp_path))
   assert "error" not in row, row
   assert row["layout"] == "expert=2 (2x1)" and row["devices_seen"] == 2 and not row["mocked"]
@@ -163,6 +164,8 @@ def test_one_depth_on_host_devices(tmp_path):
   assert kinds["all-to-all"]["count"] >= 2 and not kinds["all-to-all"]["async"]  # XLA:CPU runs them in line
   assert all(c["overlapped_ms"] == 0.0 for c in row["collectives"])
   assert list((tmp_path / "depth2" / "hlo").glob("*train_step*after_optimizations.txt"))
+  log = (tmp_path / "out" / "one_rank.deepseek3-smoke.2.depth2.log").read_text()  # the worker's log, kept
+  assert log.count("ONE_RANK ") == 1 and "[NO-OP]" not in log
 
 
 def measured_file(tmp_path, **changes):
@@ -299,3 +302,13 @@ def test_a_mocked_rank_reports_no_overflow_to_maxtexts_check(monkeypatch):
   one_rank.no_overflow_stop()
   adapter.sow_step_outputs(layer, stats, routing)
   assert not bool(sown["te_moe_capacity_overflow"]) and int(sown["te_moe_total_recv_tokens"]) == 70
+
+
+def test_a_worker_past_its_timeout_leaves_its_stacks_in_its_log(tmp_path):
+  """A depth that runs past --timeout is stopped with SIGABRT, so faulthandler prints where every thread was, and
+  its log is kept whole beside the result (a hung compile under the mock said nothing when it was killed)."""
+  args, overrides = one_rank.parse([SMOKE, "--devices", "2", "--cpu", "--timeout", "2", "--out", str(tmp_path)])
+  row = one_rank.run_depth(args, overrides, 2, str(tmp_path))
+  assert row["error"] == "timed out after 2s" and row["log"] == "one_rank.deepseek3-smoke.2.depth2.log", row
+  log = (tmp_path / row["log"]).read_text()
+  assert "Fatal Python error: Aborted" in log and "most recent call first" in log, log[-2000:]
