@@ -21,6 +21,7 @@ Results merge into OUT/one_rank.json: {"runs": [{"config", "devices", "layout", 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -260,7 +261,8 @@ def run_depth(args, overrides: list[str], depth: int, workdir: str) -> dict:
   if args.gpu:
     cmd += ["--gpu", args.gpu]
   env["PYTHONFAULTHANDLER"] = "1"  # a worker stopped at the timeout prints every thread's stack
-  log = pathlib.Path(args.out) / f"one_rank.{pathlib.Path(args.config).stem}.{args.devices}.depth{depth}.log"
+  settings = f".{hashlib.sha1(' '.join(overrides).encode()).hexdigest()[:8]}" if overrides else ""  # one log a run
+  log = pathlib.Path(args.out) / f"one_rank.{pathlib.Path(args.config).stem}.{args.devices}{settings}.depth{depth}.log"
   start = time.monotonic()
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
   try:
