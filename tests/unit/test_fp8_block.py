@@ -146,14 +146,15 @@ def test_quantize_weights_matches_the_numpy_model(pow2):
   np.testing.assert_array_equal(f32(qt), f32(q).transpose(0, 2, 1))  # one set of scales for w and w^T
 
 
-@pytest.mark.parametrize("variant, pow2", [("divide", False), ("recip", False), ("recip+bf16amax", False),
-                                           ("recip+bf16amax", True)])
+@pytest.mark.parametrize("variant, pow2", [("divide", False), ("recip+bf16amax", False), ("recip+bf16amax", True)])
 def test_triton_quantizers_match_xla_in_interpret_mode(pow2, variant, monkeypatch):
   """Each arithmetic form (fp8_block.RECIPROCAL, AMAX_IN_INPUT_DTYPE; the shipped one last) in both
   implementations, the gathering kernel (padding slots) too. The flags are independent branches (the cast's
-  division, the kernels' amax dtype, scale_of's rounding): the shipped form with both scale roundings, the two
-  forms measured against it with fp32 scales, where their arithmetic differs (with power-of-two scales every
-  form divides exactly)."""
+  division, the kernels' amax dtype, scale_of's rounding): the shipped form with both scale roundings, and the
+  form with both flags off (the bench's "divide") with fp32 scales, where the arithmetic differs (with
+  power-of-two scales every form divides exactly). So each flag runs both ways with fp32 scales; the bench's
+  third form ("recip": RECIPROCAL alone) adds no branch: the amax is exact in either dtype (abs and max round
+  nothing), so AMAX_IN_INPUT_DTYPE hands the cast the same scales whichever division RECIPROCAL picks."""
   monkeypatch.setattr(fb, "INTERPRET", True)
   monkeypatch.setattr(fb, "RECIPROCAL", "recip" in variant)
   monkeypatch.setattr(fb, "AMAX_IN_INPUT_DTYPE", "bf16amax" in variant)
@@ -188,6 +189,11 @@ def test_triton_quantizers_match_xla_in_interpret_mode(pow2, variant, monkeypatc
 # ------------------------------------------------------------------------------ kernels (interpret)
 
 
+# The kernels' operands quantized by XLA's form, one jitted program a shape: the same values, bit for bit, as op
+# by op, where every primitive of the quantizer compiled on its own for each shape (~2 CPU-s of these tests).
+quantize_both_xla = jax.jit(lambda x: fb.quantize_both(x, impl="xla"))
+quantize_weights_xla = jax.jit(lambda w: fb.quantize_weights(w, impl="xla"))
+
 SIZES = np.array([128, 0, 256, 128], np.int32)  # 512 of 640 rows: an empty expert, a spare tile
 ROWS, USED = 640, 512
 
@@ -206,8 +212,8 @@ def test_block_scaled_rows_kernel_into_a_poisoned_buffer_without_races(overlap):
   rng = np.random.default_rng(3)
   x = operand(rng, (ROWS, 384)).at[USED:].set(0)  # 3 k-blocks: one pair and a single with overlap
   w = jnp.asarray(rng.standard_normal((4, 384, 256)) * 384**-0.5, jnp.bfloat16)
-  xq, sx, _, _ = fb.quantize_both(x, impl="xla")
-  _, wqt, sw = fb.quantize_weights(w, impl="xla")
+  xq, sx, _, _ = quantize_both_xla(x)
+  _, wqt, sw = quantize_weights_xla(w)
   poison = jnp.full((ROWS, 256), jnp.nan, jnp.bfloat16)
   cfg = dataclasses.replace(CFG, overlap=overlap)
   with plgpu.force_gpu_interpret_mode(dataclasses.replace(INTERPRET, detect_races=True)):
@@ -228,8 +234,8 @@ def test_block_scaled_contract_kernel_matches_the_numpy_model(overlap):
   rng = np.random.default_rng(4)
   x = operand(rng, (ROWS, 256)).at[USED:].set(0)
   dy = jnp.asarray(rng.standard_normal((ROWS, 384)), jnp.bfloat16).at[USED:].set(0)
-  _, _, xqt, sxt = fb.quantize_both(x, impl="xla")
-  _, _, dqt, sdt = fb.quantize_both(dy, impl="xla")
+  _, _, xqt, sxt = quantize_both_xla(x)
+  _, _, dqt, sdt = quantize_both_xla(dy)
   poison = jnp.full((4, 256, 384), jnp.nan, jnp.bfloat16)
   cfg = dataclasses.replace(CFG, overlap=overlap)
   with plgpu.force_gpu_interpret_mode(INTERPRET):
@@ -264,8 +270,8 @@ def test_kernel_options_rows_kernel_matches_the_numpy_model(variant):
   rng = np.random.default_rng(6)
   x = operand(rng, (384, 256)).at[256:].set(0)
   w = operand(rng, (3, 256, 288), spread=1.0)  # weight blocks of different ranges, so a wrong column's scale shows
-  xq, sx, _, _ = fb.quantize_both(x, impl="xla")
-  _, wqt, sw = fb.quantize_weights(w, impl="xla")
+  xq, sx, _, _ = quantize_both_xla(x)
+  _, wqt, sw = quantize_weights_xla(w)
   poison = jnp.full((384, 288), jnp.nan, jnp.bfloat16)
   cfg = VARIANTS[variant]
   with plgpu.force_gpu_interpret_mode(INTERPRET):
@@ -283,8 +289,8 @@ def test_kernel_options_contract_kernel_matches_the_numpy_model(variant):
   rng = np.random.default_rng(7)
   x = operand(rng, (384, 256)).at[256:].set(0)
   dy = jnp.asarray(rng.standard_normal((384, 288)), jnp.bfloat16).at[256:].set(0)
-  _, _, xqt, sxt = fb.quantize_both(x, impl="xla")
-  _, _, dqt, sdt = fb.quantize_both(dy, impl="xla")
+  _, _, xqt, sxt = quantize_both_xla(x)
+  _, _, dqt, sdt = quantize_both_xla(dy)
   poison = jnp.full((3, 256, 288), jnp.nan, jnp.bfloat16)
   cfg = VARIANTS[variant]
   with plgpu.force_gpu_interpret_mode(INTERPRET):
@@ -297,14 +303,17 @@ def test_kernel_options_contract_kernel_matches_the_numpy_model(variant):
   assert rel(dw, ref) < 4e-3
 
 
-@pytest.mark.parametrize("m, k, n", [
-    (300, 208, 160),  # K, N multiples of 16 only: the copies are padded to 256 x 256, the outputs sliced; rows a
-    # partial tile past the experts' 256
-    (384, 192, 320),  # whole 64s: copies padded to 256 x 384, outputs written at 192 and 320 (stores clipped)
-])
-def test_blockwise_grouped_matmul_on_dims_that_are_not_multiples_of_128(m, k, n):
+def test_blockwise_grouped_matmul_on_dims_that_are_not_multiples_of_128():
   """On SMALL's experts (one empty; a group over two row tiles is the kernels' own tests' above): the interpreted
-  kernels' time grows with the rows, so as few as keep a spare tile."""
+  kernels' time grows with the rows, so as few as keep a spare tile. One problem meets both ways an output dim
+  that is not whole 128s comes back (out_dim): K = 208 (multiples of 16 only) is written padded to 256 and
+  sliced (dx); N = 320 (whole 64s) is written at 320, the last tiles' stores clipped (y, and dw at 208 x 320:
+  rows and columns of the wgrad form). The copies are padded to 256 x 384; the 300 rows are a partial tile past
+  the experts' 256. It replaces (300, 208, 160) and (384, 192, 320), which met half of this each: the kernels
+  clip or write whole tiles alike whichever GEMM they run, so what those added (an output of whole tiles then
+  sliced; dx clipped at K = 192; rows of whole tiles, where the row padding is a no-op) runs here or in the
+  kernels' tests above."""
+  m, k, n = 300, 208, 320
   rows, used = 384, int(SMALL.sum())
   rng = np.random.default_rng(5)
   x = operand(rng, (m, k), spread=1.0).at[used:].set(0)
@@ -334,7 +343,8 @@ def test_blockwise_grouped_matmul_on_dims_that_are_not_multiples_of_128(m, k, n)
   per_group(one, SMALL)
   for name, got, ref in (("y", y, ry[:m]), ("dx", dx, rdx[:m]), ("dw", dw, rdw)):
     assert rel(got, ref) < 4e-3, (name, rel(got, ref))
-  jax_ref = f32(fb.reference_grouped_matmul(x, w, jnp.asarray(SMALL)))  # the recipe's plain-JAX forward
+  # the recipe's plain-JAX forward (one jitted program: the same values as op by op, a compile per op fewer)
+  jax_ref = f32(jax.jit(fb.reference_grouped_matmul)(x, w, jnp.asarray(SMALL)))
   assert rel(jax_ref, ry[:m]) < 1e-6 and rel(y, jax_ref) < 4e-3
   # and against float32 on the originals: E4M3's rounding, no worse than a per-GEMM error of 0.04
   xo, wo = f32(x), f32(w)
@@ -360,7 +370,11 @@ def test_every_scaling_lowers_for_sm90_on_the_shapes_the_registry_admits(scaling
     (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, w)
     return y, grads
 
-  for k, n in ((7168, 4096), (2048, 7168), (2880, 5760), (64, 64), (32, 64), (720, 368), (704, 320)):
+  # DeepSeek-V3's gate/up GEMM stands for its down GEMM (2048, 7168) too: all three GEMMs take the same
+  # TileConfigs (default_config: 256-wide row tiles, 128 x 256 wgrad tiles; for "blockwise" 128 x 128) on dims of
+  # whole 128s (no padded copy, no clipped store), so the kernels lowered differ only in trip counts; both lower
+  # again, in the fused layer, in test_mosaic_tokens.py::test_the_fused_layer_lowers_for_sm90 (the FP8 scalings).
+  for k, n in ((7168, 4096), (2880, 5760), (64, 64), (32, 64), (720, 368), (704, 320)):
     if k % multiple or n % multiple:
       with pytest.raises(ValueError) as e:
         mz.check_shapes(k, n, scaling)

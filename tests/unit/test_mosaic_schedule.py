@@ -10,6 +10,7 @@ the TMA ring wraps; performance is measured on the GPU only (tests/gpu/test_mosa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -29,6 +30,17 @@ tile_coords = jax.jit(mz.tile_coords, static_argnums=(1, 2, 3))
 quantize_rows = jax.jit(fq.quantize_rows, static_argnums=(2, 3, 4))
 quantize_experts = jax.jit(fq.quantize_experts, static_argnums=(1, 2))
 CFG = mz.TileConfig(block_m=128, block_n=128, stages=2, compute_wgs=2, grid_block_n=2)
+
+
+def f32(a) -> np.ndarray:
+  """a's values as float32 numpy (ml_dtypes converts bf16 and FP8 exactly): no XLA convert compiled per shape."""
+  return np.asarray(a).astype(np.float32)
+
+
+def normal(key, shape):
+  """jax.random.normal's values behind an optimization barrier: the scaling and casts that follow in the jitted
+  helpers below do not fuse into it, so the values are those the same ops give op by op, bit for bit."""
+  return jax.lax.optimization_barrier(jax.random.normal(key, shape))
 
 
 def random_sizes(rng, groups: int, rows: int, empty: int = 0) -> np.ndarray:
@@ -220,17 +232,18 @@ def test_kernels_lower_for_cuda_without_a_gpu():
 
 def test_quantize_rows_scales_each_expert_to_its_own_amax():
   sizes = jnp.array([128, 0, 256], jnp.int32)
-  x = jnp.concatenate([jnp.full((128, 4), 2.0), jnp.full((256, 4), -0.5), jnp.full((128, 4), 9.0)])  # last 128 spare
+  x = jnp.asarray(np.concatenate([np.full((128, 4), 2.0), np.full((256, 4), -0.5), np.full((128, 4), 9.0)]),
+                  jnp.float32)  # last 128 spare
   xq, xqt, s = quantize_rows(x, tile_groups(sizes, 4, 128), 3, mz.E4M3, "xla")
   np.testing.assert_allclose(np.asarray(s), [448 / 2.0, 1.0, 448 / 0.5])  # empty expert: scale 1
-  assert float(xq[0, 0].astype(jnp.float32)) == 448 and float(xq[200, 0].astype(jnp.float32)) == -448
-  np.testing.assert_array_equal(np.asarray(xqt.astype(jnp.float32)), np.asarray(xq.astype(jnp.float32)).T)
-  w = jnp.stack([jnp.arange(6.0).reshape(2, 3), jnp.zeros((2, 3))])
+  assert f32(xq)[0, 0] == 448 and f32(xq)[200, 0] == -448
+  np.testing.assert_array_equal(f32(xqt), f32(xq).T)
+  w = jnp.asarray(np.stack([np.arange(6.0).reshape(2, 3), np.zeros((2, 3))]), jnp.float32)
   wq, wqt, sw = quantize_experts(w, mz.E5M2, "xla")
   np.testing.assert_allclose(np.asarray(sw), [57344 / 5.0, 1.0])
   assert wq.shape == (2, 2, 3) and wqt.shape == (2, 3, 2)
-  np.testing.assert_array_equal(np.asarray(wqt.astype(jnp.float32)), np.asarray(wq.astype(jnp.float32)).transpose(0, 2, 1))
-  assert float(wq[0, 1, 2].astype(jnp.float32)) == 57344
+  np.testing.assert_array_equal(f32(wqt), f32(wq).transpose(0, 2, 1))
+  assert f32(wq)[0, 1, 2] == 57344
 
 
 def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch):
@@ -245,22 +258,27 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
     ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(x, scale, dtype, "xla")
     assert ours[0].shape == (2, 128, 256) and ours[1].shape == (2, 256, 128)
     for got, want in zip(ours, ref):
-      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+      np.testing.assert_array_equal(f32(got), f32(want))
     if dtype == mz.E4M3:  # |x * scale| reaches ~2,000 > 448: saturated, not NaN
-      assert float(jnp.max(jnp.abs(ours[0].astype(jnp.float32)))) == 448
+      assert np.abs(f32(ours[0])).max() == 448
   with pytest.raises(ValueError, match="choose one of auto, xla, triton"):
     fq.cast_transpose(x, scale, mz.E4M3, "cuda")
   # columns that are not whole 128s (current scaling's unpadded copies): the last column block is masked,
-  # bit-equal to XLA's for every block shape
-  for cols in (192, 200, 16):
+  # bit-equal to XLA's for each way a block meets the columns' end. 192 columns in every block shape: a masked
+  # tail after a whole block (the default 64 x 128), whole blocks (64 x 64: no mask), one block wider than all
+  # the columns (32 x 256, with 32-row blocks); 200 and 16 in the default block only, a tail and a block wider
+  # than all the columns again (the kernel's mask is one expression, program_id * block + arange < cols: the
+  # other blocks' 200 and 16 are these same cases, a tail after whole blocks or one wider block).
+  for cols, blocks in ((192, (fq.TRITON_BLOCK, (64, 64, 4), (32, 256, 4))), (200, (fq.TRITON_BLOCK,)),
+                       (16, (fq.TRITON_BLOCK,))):
     part = x[:, :, :cols]
     assert fq.resolve("triton", part.shape) == "triton"
     ref = jax.jit(fq.cast_transpose, static_argnums=(2, 3))(part, scale, mz.E4M3, "xla")
-    for block in (fq.TRITON_BLOCK, (64, 64, 4), (32, 256, 4)):
+    for block in blocks:
       ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3, 4))(part, scale, mz.E4M3, "triton", block)
       assert ours[0].shape == (2, 128, cols) and ours[1].shape == (2, cols, 128)
       for got, want in zip(ours, ref):
-        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+        np.testing.assert_array_equal(f32(got), f32(want))
   with pytest.raises(ValueError, match="multiples of 64"):  # rows are whole blocks
     fq.resolve("triton", (2, 2880 + 16, 2880))
   # the weights' copies zero-padded as the kernel reads them (rows and columns past x's ends masked), as
@@ -271,13 +289,13 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
     ours = jax.jit(fq.cast_transpose, static_argnums=(2, 3, 4, 5))(part, scale, mz.E4M3, "triton", None, padded)
     assert ours[0].shape == (2, *padded) and ours[1].shape == (2, padded[1], padded[0])
     for got, want in zip(ours, ref):
-      np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    assert not np.asarray(ours[0].astype(jnp.float32))[:, rows:].any()
-    assert not np.asarray(ours[0].astype(jnp.float32))[:, :, cols:].any()
+      np.testing.assert_array_equal(f32(got), f32(want))
+    assert not f32(ours[0])[:, rows:].any()
+    assert not f32(ours[0])[:, :, cols:].any()
     # q^T alone (the forward's weight copy where the backward casts w_q again): the same bits, both forms
     for impl in ("triton", "xla"):
       alone = jax.jit(fq.cast_transposed, static_argnums=(2, 3, 4, 5))(part, scale, mz.E4M3, impl, None, padded)
-      np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)), np.asarray(ref[1].astype(jnp.float32)))
+      np.testing.assert_array_equal(f32(alone), f32(ref[1]))
   with pytest.raises(ValueError, match="smaller than"):
     fq.cast_transpose(x, scale, mz.E4M3, "xla", padded=(64, 256))
 
@@ -286,8 +304,8 @@ def test_cast_transpose_triton_kernel_matches_xla_in_interpret_mode(monkeypatch)
 
 
 def np_rows(a, b, sizes, scales, b_contract_minor=True):
-  a = np.asarray(a.astype(jnp.float32), np.float64)
-  b = np.asarray(b.astype(jnp.float32), np.float64)
+  a = f32(a).astype(np.float64)
+  b = f32(b).astype(np.float64)
   if b_contract_minor:
     b = b.transpose(0, 2, 1)
   out, start = np.zeros((a.shape[0], b.shape[2])), 0
@@ -298,7 +316,7 @@ def np_rows(a, b, sizes, scales, b_contract_minor=True):
 
 
 def rel(a, ref) -> float:
-  a = np.asarray(a.astype(jnp.float32), np.float64)
+  a = f32(a).astype(np.float64)
   return float(np.linalg.norm(a - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
@@ -312,16 +330,27 @@ def test_kernel_writes_every_element_of_a_poisoned_buffer_without_races():
 
   # the forward form x (M, K) @ (w^T (G, N, K))^T, E4M3, two compute warpgroups, one SM walking all
   # tiles through a 2-stage ring
-  a = jax.random.normal(jax.random.key(3), (ROWS, 128)).astype(mz.E4M3)
-  b = jax.random.normal(jax.random.key(4), (4, 128, 128)).astype(mz.E4M3)
+  a, b = jax.jit(lambda: (normal(jax.random.key(3), (ROWS, 128)).astype(mz.E4M3),
+                          normal(jax.random.key(4), (4, 128, 128)).astype(mz.E4M3)))()  # one program
   poison = jnp.full((ROWS, 128), jnp.nan, jnp.bfloat16)
   with plgpu.force_gpu_interpret_mode(dataclasses.replace(INTERPRET, detect_races=True)):
     y = jax.jit(lambda a, b: mz.ragged_rows_matmul(a, b, jnp.asarray(SIZES), jnp.asarray(SCALES), config=CFG, sms=1,
                                                    out=poison))(a, b)
-    y = np.asarray(y.astype(jnp.float32))
+    y = f32(y)
   assert not interpret_pallas_call.get_races().races_found
   assert np.isfinite(y).all() and not y[USED:].any()
   assert rel(y, np_rows(a, b, SIZES, SCALES)) < 4e-3
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4, 5))
+def operands(key, m: int, k: int, n: int, used: int, cot_dtype=jnp.float32):
+  """x (m, k) bf16, w (4, k, n) bf16 (times k^-1/2) and a cotangent (m, n), x's and the cotangent's rows past
+  `used` zero: jax.random's normals in one jitted program (the same values as op by op, where every op and
+  shape compiles a program of its own)."""
+  kx, kw, kc = jax.random.split(key, 3)
+  x = normal(kx, (m, k)).astype(jnp.bfloat16).at[used:].set(0)
+  w = (normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
+  return x, w, normal(kc, (m, n)).astype(cot_dtype).at[used:].set(0)
 
 
 def per_group_reference(xs, ws, dys, sizes):
@@ -355,10 +384,7 @@ def fp8_operands(x, w, sizes, dy):
 def test_grouped_matmul_fp8_forward_and_grads():
   m, k, n = 450, 128, 128  # 450 rows: padded to 512 inside, 384 routed
   sizes = jnp.asarray(SIZES)
-  kx, kw, kc = jax.random.split(jax.random.key(5), 3)
-  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
-  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (m, n)).at[USED:].set(0)
+  x, w, cot = operands(jax.random.key(5), m, k, n, USED)
   # two compute warpgroups forward (flushing its accumulator into fp32 every k-block) and wgrad,
   # one for dgrad (E5M2 x E4M3)
   cfgs = mz.GemmConfigs(dataclasses.replace(CFG, promote=1), dataclasses.replace(CFG, compute_wgs=1), CFG)
@@ -369,7 +395,7 @@ def test_grouped_matmul_fp8_forward_and_grads():
 
   with plgpu.force_gpu_interpret_mode(INTERPRET):
     (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
-  y, dx, dw = (np.asarray(a.astype(jnp.float32)) for a in (y, dx, dw))
+  y, dx, dw = (f32(a) for a in (y, dx, dw))
   assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (4, k, n)
   assert all(np.isfinite(a).all() for a in (y, dx, dw))
   assert not y[USED:].any() and not dx[USED:].any() and not dw[1].any()
@@ -393,7 +419,7 @@ def grouped_matmul_grads(scaling, x, w, cot, sms=2, sizes=SMALL):
 
   with plgpu.force_gpu_interpret_mode(INTERPRET):
     (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, w)
-  return tuple(np.asarray(a.astype(jnp.float32)) for a in (y, dx, dw))
+  return tuple(f32(a) for a in (y, dx, dw))
 
 
 def test_current_scaling_pads_its_copies_to_whole_128s_as_the_cast_reads_the_weights():
@@ -403,10 +429,7 @@ def test_current_scaling_pads_its_copies_to_whole_128s_as_the_cast_reads_the_wei
   clipped): still the recipe's result, exactly. The program's copies on SIZES's 512 rows (traced only), the
   numbers on SMALL's 384."""
   m, k, n = ROWS, 192, 320
-  kx, kw, kc = jax.random.split(jax.random.key(6), 3)
-  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[USED:].set(0)
-  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (m, n)).at[USED:].set(0)
+  x, w, cot = operands(jax.random.key(6), m, k, n, USED)
   assert [mz.copy_dim(d, "current") for d in (k, n)] == [256, 384]
   assert mz.default_config("rows", "current", n, contract=256).block_k is None  # 128 FP8 elements
   grads = jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(
@@ -435,12 +458,9 @@ def test_bf16_tiles_past_the_end_of_the_output_are_clipped():
   operands' ends read zeros, stores past the outputs' ends are dropped (bf16: operands as stored)."""
   m, k, n = SMALL_ROWS, 192, 320
   assert mz.default_config("rows", "none", n).block_n == 128 and mz.default_config("rows", "none", k).block_n == 256
-  kx, kw, kc = jax.random.split(jax.random.key(7), 3)
-  x = jax.random.normal(kx, (m, k)).astype(jnp.bfloat16).at[SMALL_USED:].set(0)
-  w = (jax.random.normal(kw, (4, k, n)) * k**-0.5).astype(jnp.bfloat16)
-  cot = jax.random.normal(kc, (m, n)).astype(jnp.bfloat16).at[SMALL_USED:].set(0)
+  x, w, cot = operands(jax.random.key(7), m, k, n, SMALL_USED, jnp.bfloat16)
   y, dx, dw = grouped_matmul_grads("none", x, w, cot)
   assert all(np.isfinite(a).all() for a in (y, dx, dw))
-  ry, rdx, rdw = per_group_reference(*[np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w, cot)], SMALL)
+  ry, rdx, rdw = per_group_reference(*[f32(a).astype(np.float64) for a in (x, w, cot)], SMALL)
   for name, got, ref in (("y", y, ry), ("dx", dx, rdx), ("dw", dw, rdw)):
     assert rel(jnp.asarray(got), ref) < 4e-3, (name, rel(jnp.asarray(got), ref))

@@ -14,6 +14,23 @@ from parity_check import CASES, compare
 from test_parity import check
 
 
+@pytest.fixture(scope="module", autouse=True)
+def every_program_kept_in_the_compilation_cache():
+  """Every program of this module compiled once: the session's JAX compilation cache (MaxText's jax_cache_dir, which
+  each case's config build points JAX at) keeps all of them, not only those over JAX's 1 s threshold, so a case
+  whose program is byte for byte one compiled before (same HLO, options and jaxlib: the same executable) loads it.
+  qwen3_custom_moe and qwen3_5 are qwen3_moe's config but for decoder_block, and MaxText's routed block (layers/moe.py)
+  and temoe branch on it for deepseek, deepseek4, gpt_oss, llama4 and gemma4 only: both cases compile nothing (and
+  a few initializers are shared): ~3 of the module's ~45 CPU-s, 118 entries, 4 MB. Every case still builds its
+  configs and layers, traces, runs and compares both blocks."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  yield
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_block_matches_maxtext_native_moe(case):
   r = compare(case)
