@@ -8,12 +8,12 @@ here on a reference model of that collective's documented semantics built from a
 from __future__ import annotations
 
 import functools
-import inspect
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compile_cache import persistent_cache
 
 from temoe.moe import block, dispatch, exchange
 from temoe.moe.context import MoEContext
@@ -85,31 +85,18 @@ def reference_tokens_mlp(ctx, wi, wo, calls):
   return run
 
 
-PROGRAMS: dict = {}
-"""Compiled programs by everything they are traced from (the routing and the cotangent are constants in them, as
-XLA folds part of the plan from constant routing): a run another test already made with the same strategy,
-MoEContext, transport, routing and cotangent reuses that executable instead of compiling the same program again
-(XLA:CPU: ~1 CPU-s a program). test_ragged_transport_uses_the_same_plan's reference runs (the padded transport,
-the one-device block) are test_dedup_hands_its_received_rows_to_a_tokens_mlp's, on the same routing."""
-
-
-def program(key, build):
-  """PROGRAMS[key], built by build() the first time."""
-  if key not in PROGRAMS:
-    PROGRAMS[key] = build()
-  return PROGRAMS[key]
-
-
 @pytest.fixture(scope="module", autouse=True)
-def compiled_programs_dropped_after_the_module():
-  yield
-  PROGRAMS.clear()
+def _compile_cache():
+  """A program compiled before in the session (the same HLO: the tokens-MLP test's reference runs are the ragged
+  test's, on its routing) is loaded, not compiled again (compile_cache)."""
+  with persistent_cache():
+    yield
 
 
 def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, tokens_calls=None, context=None,
            grads=True, probe=None, **kw):
   """Output, stats and grads wrt (x, weights, wi, wo) of `strategy` on a vmap expert axis (with `tokens_calls` a
-  list: through reference_tokens_mlp, recording its calls there, traced afresh; `context`: more MoEContext fields,
+  list: through reference_tokens_mlp, recording its calls there; `context`: more MoEContext fields,
   e.g. the hierarchical exchange's ep_node_size; grads=False: the forward alone, a smaller program, grads None;
   `probe`: a function of one device's expert ids run in the same program, its results as stats["probe"]: a plan
   computed there is the exchange's own, which XLA computes once, where a program of its own took ~0.3-0.5 CPU-s)."""
@@ -117,57 +104,38 @@ def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, toke
   ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32, ep_axis="ep", ep_size=devices,
                    buffer_factor=factor, align=align, **(context or {}))
 
-  def build():
-    def per_device(x, ids, w, wi, wo):
-      mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))
-      extra = dict(kw)
-      if tokens_calls is not None:
-        extra["tokens_mlp"] = reference_tokens_mlp(ctx, wi, wo, tokens_calls)
-      out, stats = strategy.run(ctx, x, ids, w, mlp, **extra)
-      return out, ({**stats, "probe": probe(ids)} if probe else stats)
+  def per_device(x, ids, w, wi, wo):
+    mlp = functools.partial(block.expert_mlp, ctx, wi=wi, wo=wo, biases=(None, None, None))
+    extra = dict(kw)
+    if tokens_calls is not None:
+      extra["tokens_mlp"] = reference_tokens_mlp(ctx, wi, wo, tokens_calls)
+    out, stats = strategy.run(ctx, x, ids, w, mlp, **extra)
+    return out, ({**stats, "probe": probe(ids)} if probe else stats)
 
-    def loss(x, w, wi, wo):
-      out, stats = jax.vmap(per_device, axis_name="ep")(
-          x, ids, w, wi.reshape(devices, local, *wi.shape[1:]), wo.reshape(devices, local, *wo.shape[1:]))
-      return jnp.sum(out * cot), (out, stats)
+  def loss(x, w, wi, wo):
+    out, stats = jax.vmap(per_device, axis_name="ep")(
+        x, ids, w, wi.reshape(devices, local, *wi.shape[1:]), wo.reshape(devices, local, *wo.shape[1:]))
+    return jnp.sum(out * cot), (out, stats)
 
-    if not grads:
-      return jax.jit(loss, compiler_options=FAST_COMPILE)
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
-
-  # dedup.run and hier.run take moves=None as dedup.transport(platform): the same program as that transport named;
-  # the ragged transport's program is the jax.lax.ragged_all_to_all it was traced with (a test's stand-in)
-  moves = kw.get("moves")
-  if "moves" in inspect.signature(strategy.run).parameters:
-    moves = moves or dedup.transport(jax.devices()[0].platform)
-  key = (strategy.__name__, ctx, grads, moves, jax.lax.ragged_all_to_all if moves is ragged else None,
-         tuple(sorted((k, v) for k, v in kw.items() if k != "moves")), constants(ids, cot))
-  run = build() if tokens_calls is not None or probe is not None else program(key, build)
   if not grads:
-    _, (out, stats) = run(x, w, wi, wo)
+    _, (out, stats) = jax.jit(loss, compiler_options=FAST_COMPILE)(x, w, wi, wo)
     return out, stats, None
+  run = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
   (_, (out, stats)), grads = run(x, w, wi, wo)
   return out, stats, grads
-
-
-def constants(*arrays) -> tuple:
-  """A program key's part for the arrays it closes over: their shapes, dtypes and bytes."""
-  return tuple((a.shape, str(a.dtype), np.asarray(a).tobytes()) for a in arrays)
 
 
 def one_device(devices, local, top_k, ids, args):
   x, w, wi, wo, cot = args
 
-  def build():
-    ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32)
+  ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32)
 
-    def loss(x, w, wi, wo):
-      out, _ = block.apply(ctx, x, ids, w, wi, wo)
-      return jnp.sum(out * cot), out
+  def loss(x, w, wi, wo):
+    out, _ = block.apply(ctx, x, ids, w, wi, wo)
+    return jnp.sum(out * cot), out
 
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
-
-  (_, out), grads = program(("one_device", devices * local, top_k, constants(ids, cot)), build)(x, w, wi, wo)
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True), compiler_options=FAST_COMPILE)
+  (_, out), grads = grad(x, w, wi, wo)
   return out, grads
 
 

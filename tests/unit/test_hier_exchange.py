@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_dedup_exchange import (EMB, PROGRAMS, TOKENS, assert_close, ep_run, one_device,
+from compile_cache import persistent_cache
+from test_dedup_exchange import (EMB, TOKENS, assert_close, ep_run, one_device,
                                  reference_ragged_all_to_all, setup)
 
 from temoe.moe import exchange
@@ -43,10 +44,10 @@ def routing(seed, devices, local, top_k, kind):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def compiled_programs_dropped_after_the_module():
-  """ep_run keeps its compiled programs for a later run of the same program (test_dedup_exchange.PROGRAMS)."""
-  yield
-  PROGRAMS.clear()
+def _compile_cache():
+  """A program compiled before in the session (the same HLO) is loaded, not compiled again (compile_cache)."""
+  with persistent_cache():
+    yield
 
 
 def hier_run(devices, node, local, top_k, ids, args, factor=0.0, align=1, strategy=hier, **kw):

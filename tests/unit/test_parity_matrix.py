@@ -9,26 +9,20 @@ update (bit-equal, same dtype) and the gradient with respect to the input and ev
 from __future__ import annotations
 
 import pytest
+from compile_cache import persistent_cache
 
 from parity_check import CASES, compare
 from test_parity import check
 
 
 @pytest.fixture(scope="module", autouse=True)
-def every_program_kept_in_the_compilation_cache():
-  """Every program of this module compiled once: the session's JAX compilation cache (MaxText's jax_cache_dir, which
-  each case's config build points JAX at) keeps all of them, not only those over JAX's 1 s threshold, so a case
-  whose program is byte for byte one compiled before (same HLO, options and jaxlib: the same executable) loads it.
-  qwen3_custom_moe and qwen3_5 are qwen3_moe's config but for decoder_block, and MaxText's routed block (layers/moe.py)
-  and temoe branch on it for deepseek, deepseek4, gpt_oss, llama4 and gemma4 only: both cases compile nothing (and
-  a few initializers are shared): ~3 of the module's ~45 CPU-s, 118 entries, 4 MB. Every case still builds its
-  configs and layers, traces, runs and compares both blocks."""
-  import jax  # pylint: disable=import-outside-toplevel
-
-  threshold = jax.config.jax_persistent_cache_min_compile_time_secs
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  yield
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", threshold)
+def _compile_cache():
+  """Every program of this module through the session's cache, however small (compile_cache): qwen3_custom_moe and
+  qwen3_5 are qwen3_moe's config but for decoder_block, which MaxText's routed block (layers/moe.py) and temoe branch
+  on for deepseek, deepseek4, gpt_oss, llama4 and gemma4 only, so their programs are qwen3_moe's, loaded, not
+  compiled again. Every case still builds its configs and layers, traces, runs and compares both blocks."""
+  with persistent_cache():
+    yield
 
 
 @pytest.mark.parametrize("case", list(CASES))
