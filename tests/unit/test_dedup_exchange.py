@@ -127,7 +127,6 @@ def ep_run(strategy, devices, local, top_k, ids, args, factor=0.0, align=1, toke
 
 def one_device(devices, local, top_k, ids, args):
   x, w, wi, wo, cot = args
-
   ctx = MoEContext(num_experts=devices * local, top_k=top_k, dtype=jnp.float32)
 
   def loss(x, w, wi, wo):
