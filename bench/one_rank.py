@@ -94,6 +94,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
   if args.cpu and args.devices > MAX_CPU_DEVICES:
     raise Refused(f"--cpu runs every device on this host: at most {MAX_CPU_DEVICES} (asked {args.devices}); "
                   "a job's full mesh needs a GPU and the mock topology")
+  if args.cpu and args.slices > 1:
+    raise Refused(f"--cpu runs host devices, which form one slice (they report no slice_index): --slices must be 1 "
+                  f"(asked {args.slices}); a job of several slices needs a GPU and the mock topology")
   if args.steps < 1 or args.skip < 1:
     raise Refused(f"--steps={args.steps} and --skip={args.skip} must be at least 1 (the first step compiles)")
   if args.layers:

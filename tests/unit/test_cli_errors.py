@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,6 +39,7 @@ ROWS = [
     ("train", ["override_model_config=true", "topk_routing_group=5"], 2,
      "topk_routing_group=5 must be between 1 and n_routing_groups=4"),
     ("train", ["ici_fsdp_parallelism=2"], 2, "the mesh (ici_fsdp_parallelism=2, dcn_data_parallelism=-1) does not fit the 1 device(s)"),
+    ("train", ["num_slices=2"], 2, "num_slices=2 does not divide this job's 1 device(s)"),
     ("train", ["run_name=../escape"], 2, "run_name='../escape' must be one directory name"),
     ("train", ["metrics_file={tmp}/a-file/metrics.jsonl"], 2, "metrics_file={tmp}/a-file/metrics.jsonl cannot be written"),
     ("train", ["grain_train_files={tmp}/truncated.parquet"], 2, "truncated.parquet is not a readable Parquet file"),
@@ -261,6 +263,20 @@ def test_a_subprocess_prints_only_the_line(row, broken_inputs):
   assert text.format(**broken_inputs) in result.stderr.strip().splitlines()[-1]
   assert "MAXTEXT CONFIG ERROR" not in result.stderr and "Traceback" not in result.stderr
   assert "'emb_dim'" not in result.stderr  # MaxText's list of every field
+
+
+def test_slices_over_devices_that_report_none_are_named():
+  """MaxText's hybrid mesh reads each device's slice_index: host devices have none, so num_slices > 1 fails there
+  with a message about slices, not the parallelisms' product."""
+  from temoe.run import preflight  # pylint: disable=import-outside-toplevel
+
+  host = [SimpleNamespace(platform="cpu") for _ in range(4)]
+  nodes = [SimpleNamespace(platform="gpu", slice_index=i // 2) for i in range(4)]
+  assert "4 cpu device(s) report no slice (slice_index)" in preflight.slices_unfit(SimpleNamespace(num_slices=2), host)
+  assert preflight.slices_unfit(SimpleNamespace(num_slices=2), nodes) is None
+  assert "num_slices=3 does not divide this job's 4 device(s)" in preflight.slices_unfit(SimpleNamespace(num_slices=3), nodes)
+  assert preflight.slices_unfit(SimpleNamespace(num_slices=-1), host) is None
+  assert preflight.slices_unfit(SimpleNamespace(num_slices=1), host) is None
 
 
 def test_lock_holder_info_names_who_and_where(tmp_path):

@@ -96,6 +96,7 @@ BAD = {
     "slices not dividing": ([SMOKE, "--devices", "10", "--slices", "4"], "not a multiple of --slices=4"),
     "zero devices": ([SMOKE, "--devices", "0"], "must be 1.."),
     "too many host devices": ([SMOKE, "--devices", "1024", "--slices", "128", "--cpu"], "at most 16"),
+    "host devices in slices": ([SMOKE, "--devices", "16", "--slices", "2", "--cpu"], "--slices must be 1"),
     "one depth": ([SMOKE, "--devices", "8", "--layers", "4"], "two depths a,b"),
     "depths in the wrong order": ([SMOKE, "--devices", "8", "--layers", "5,4"], "two depths a,b"),
     "not key=value": ([SMOKE, "--devices", "8", "steps"], "pass MaxText settings as key=value"),

@@ -169,6 +169,8 @@ def check_mesh(config) -> None:
   try:
     introspect.device_mesh(config)
   except (AssertionError, ValueError) as exc:
+    if (why := slices_unfit(config, jax.devices())):
+      raise PreflightError(why) from exc
     raise PreflightError(
         f"the mesh ({', '.join(axes) or 'all axes 1'}) does not fit the {jax.device_count()} device(s) of this job: "
         f"{str(exc).split(chr(10))[0].strip()}; make the product of the ici_*/dcn_* parallelisms match, or leave one -1."
@@ -180,6 +182,22 @@ def check_mesh(config) -> None:
         f"{config.per_device_batch_size} x {devices} devices) does not split evenly over the {devices} devices; "
         "pick a per_device_batch_size that makes it a multiple."
     )
+
+
+def slices_unfit(config, devices) -> str | None:
+  """Why MaxText's mesh of `num_slices` slices cannot be laid over `devices`, if slices are the reason: the
+  count does not divide them, or they report no slice (MaxText's hybrid mesh reads each device's slice_index)."""
+  slices = int(getattr(config, "num_slices", 1) or 1)
+  if slices <= 1:
+    return None
+  if len(devices) % slices:
+    return (f"num_slices={slices} does not divide this job's {len(devices)} device(s) (each slice, a node of a "
+            "multi-node job, holds as many); set num_slices=-1 (MaxText counts the slices) or a divisor.")
+  if not all(hasattr(d, "slice_index") for d in devices):
+    return (f"num_slices={slices}, but this job's {len(devices)} {devices[0].platform} device(s) report no slice "
+            "(slice_index): slices are the nodes of a multi-node GPU job started with jax.distributed, or of JAX's "
+            "mock GPU topology; set num_slices=-1 (MaxText counts the slices) or 1.")
+  return None
 
 
 def check_shardings(config) -> None:
