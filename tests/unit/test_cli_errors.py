@@ -90,6 +90,8 @@ ROWS = [
     ("plan", ["{tmp}/empty.yml"], 2, "config {tmp}/empty.yml is empty"),
     ("plan", [SMOKE, "te_moe_blok=true"], 2, "unknown config key 'te_moe_blok'"),
     ("plan", [I671B], 2, "pass its --devices N and --slices N"),
+    ("plan", [SMOKE, "--slices", "2"], 2, "num_slices=2 does not divide the 1 device(s) planned"),
+    ("plan", [SMOKE, "--devices", "6", "--slices", "4"], 2, "num_slices=4 does not divide the 6 device(s) planned"),
     ("plan", [SMOKE, "--hbm-gib", "inf"], 2, "--hbm-gib=inf must be a positive number of GiB, finite and at most 1e+06"),
     ("plan", [SMOKE, "--devices", "1000000000000"], 2, "--devices=1000000000000 must be at least 1 and at most 1,048,576"),
     ("plan", [SMOKE, "per_device_batch_size=inf"], 2, "per_device_batch_size=inf is not a finite number"),

@@ -173,6 +173,10 @@ def make_plan(path: str, overrides: list[str], devices: int | None = None, gpu: 
                                       recipes.model_shape(config))
   else:  # MaxText's own MoE: a grouped-GEMM kernel, or ragged_dot as temoe's xla backend
     backend = "gmm" if config.megablox or config.use_tokamax_gmm else "xla"
+  slices = max(int(config.num_slices), 1)
+  if count % slices:
+    raise PlanInputError(f"num_slices={slices} does not divide the {count} device(s) planned (a slice, a GPU node, "
+                         "holds as many devices as each other): pass --devices N, the job's device count")
   try:
     mesh = abstract_mesh(config, count)
   except AssertionError as exc:  # MaxText's own check of the mesh against the device count
